@@ -1,0 +1,62 @@
+# ringside: data-parallel training in PyTorch, by hand and on a laptop.
+# `make` alone lists the targets.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+NPROC  ?= 4
+CH     ?= 00
+PORT   ?= 8888
+# One OpenMP thread per rank: several ranks share the cores, and torchrun otherwise prints a
+# warning (with a time stamp) on every launch.
+export OMP_NUM_THREADS ?= 1
+
+# The lab or solution of chapter CH, e.g. CH=04 -> labs/04_ring_allreduce.py
+chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
+# pip, minus the warnings about package mirrors that this machine's pip.conf names but lacks
+PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
+TORCHRUN = $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+
+.PHONY: help setup lab solution jupyter test bench labs clean
+
+help: ## list the targets
+	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 22
+
+setup: $(VENV)/.ready ## create .venv with the pinned packages (quick when done already)
+
+$(VENV)/.ready: requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps --no-build-isolation -e .
+	$(PY) -c "import ringside, torch, torchvision, nbval; print('ringside is ready: torch', torch.__version__)"
+	touch $@
+
+lab: setup ## run your lab:       make lab CH=01 NPROC=4
+	@test -n "$(call chapter_file,labs)" || { echo "no lab for chapter $(CH) in labs/"; exit 2; }
+	$(TORCHRUN) $(call chapter_file,labs)
+
+solution: setup ## run the solution:  make solution CH=01 NPROC=4
+	@test -n "$(call chapter_file,solutions)" || { echo "no solution for chapter $(CH)"; exit 2; }
+	$(TORCHRUN) $(call chapter_file,solutions)
+
+jupyter: setup ## open the course in JupyterLab on 127.0.0.1
+	$(VENV)/bin/jupyter lab --ip 127.0.0.1 --port $(PORT) --notebook-dir . README.md
+
+test: setup ## run every test: notebooks (nbval), labs, solutions, package
+	@start=$$(date +%s); \
+	$(PY) -m pytest -q -rs tests chapters --nbval --nbval-sanitize-with tests/sanitize.cfg \
+	    --nbval-cell-timeout 300 -p no:randomly; status=$$?; \
+	echo "make test: total $$(( $$(date +%s) - start )) s"; exit $$status
+
+bench: setup ## time naive vs ring vs dist.all_reduce; writes assets/bench/
+	$(PY) -m ringside.bench
+
+labs: setup ## regenerate labs/ from solutions/ (maintainers; overwrites labs/)
+	$(PY) -m ringside.labgen
+
+clean: ## remove caches and run outputs (keeps .venv)
+	rm -rf runs checkpoints .pytest_cache
+	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +

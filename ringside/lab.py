@@ -1,0 +1,154 @@
+"""The self-check every lab ends with.
+
+A lab's `main(checks)` runs on every rank and records what it verified:
+
+    checks.expect(torch.allclose(mine, expected), "gradients are 2x too large - did you divide by world_size?")
+
+`run_lab` starts it under torchrun, turns an unfinished TODO or a crash into a verdict, gathers
+every rank's verdicts to rank 0, prints one line per rank and a summary, and exits with the same
+status on every rank: 0 only when all ranks pass.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import traceback
+from contextlib import contextmanager, redirect_stdout
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, NoReturn
+
+import torch.distributed as dist
+
+from .runtime import DEFAULT_TIMEOUT, finish, flush, identity_from_env, init_distributed, require_torchrun
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class Checks:
+    """This rank's verdicts: each failed expectation keeps its diagnosis."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.failures: list[str] = []
+        self.count = 0
+
+    def expect(self, ok: bool, diagnosis: str) -> bool:
+        """Record one check; `diagnosis` says what is wrong and the likely mistake when ok is False."""
+        self.count += 1
+        if not ok:
+            self.failures.append(diagnosis)
+        return bool(ok)
+
+    def fail(self, diagnosis: str) -> None:
+        self.expect(False, diagnosis)
+
+    @property
+    def passed(self) -> bool:
+        return self.count > 0 and not self.failures
+
+
+def explain(error: BaseException) -> str:
+    """One line for the learner: the TODO still open, a likely deadlock, or the crash and where."""
+    where = _where(error)
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, NotImplementedError):
+        return f"unfinished - {text} ({where})"
+    if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower():
+        return (f"a communication call timed out ({where}): likely a deadlock - a send, recv or "
+                f"collective that another rank never matched")
+    return f"{type(error).__name__}: {text} ({where})"
+
+
+def _where(error: BaseException) -> str:
+    """The innermost frame of the error that lies in a lab or solution file, else the innermost."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "unknown place"
+    ours = [f for f in frames if Path(f.filename).parent.name in ("labs", "solutions")]
+    frame = (ours or frames)[-1]
+    return f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno}"
+
+
+@contextmanager
+def captured_stdout(echo: bool) -> Iterator[io.StringIO]:
+    """Collect what is printed inside the block; `echo` also lets it through to the terminal."""
+    buffer = io.StringIO()
+    if not echo:
+        with redirect_stdout(buffer):
+            yield buffer
+        return
+
+    class Tee(io.TextIOBase):
+        def write(self, text: str) -> int:
+            buffer.write(text)
+            return sys.__stdout__.write(text)
+
+        def flush(self) -> None:
+            sys.__stdout__.flush()
+
+    with redirect_stdout(Tee()):
+        yield buffer
+
+
+def report(checks: Checks, title: str, timeout: timedelta = DEFAULT_TIMEOUT) -> int:
+    """Gather every rank's verdicts to rank 0, print them in rank order, return the common exit code."""
+    try:
+        if not dist.is_initialized():  # the lab stopped before it joined the group itself
+            init_distributed(timeout)
+        # A fresh gloo group: the default one may be broken by a failed or timed-out collective.
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        verdicts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, (checks.count, checks.failures), group=group)
+    except Exception as error:  # no common report is possible: each rank speaks for itself
+        print(f"rank {checks.rank}: could not gather the other ranks' results ({error})", flush=True)
+        for diagnosis in checks.failures:
+            print(f"rank {checks.rank}: FAIL - {diagnosis}", flush=True)
+        return EXIT_FAIL
+    failing = [r for r, (count, failures) in enumerate(verdicts) if failures or count == 0]
+    if checks.rank == 0:
+        print(f"\n== {title}: self-check on {len(verdicts)} ranks ==")
+        for rank, (count, failures) in enumerate(verdicts):
+            if not failures and count == 0:
+                print(f"rank {rank}: FAIL - no check ran")
+            for diagnosis in failures:
+                print(f"rank {rank}: FAIL - {diagnosis}")
+            if rank not in failing:
+                print(f"rank {rank}: PASS ({count} checks)")
+        if failing:
+            print(f"{len(failing)} of {len(verdicts)} ranks FAIL: fix the first message above and run again.")
+        else:
+            print(f"All {len(verdicts)} ranks PASS.")
+        flush()
+    return EXIT_FAIL if failing else EXIT_PASS
+
+
+def run_lab(
+    main: Callable[[Checks], None],
+    title: str,
+    world_sizes: Iterable[int] | None = None,
+    init: bool = True,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> NoReturn:
+    """Run a lab's main(checks) on this rank and exit with the verdict of all ranks.
+
+    init=False leaves joining the process group to the lab (when that is the lesson)."""
+    require_torchrun(sys.argv[0])
+    rank, world_size, _ = identity_from_env()
+    allowed = sorted(world_sizes) if world_sizes is not None else None
+    if allowed is not None and world_size not in allowed:
+        if rank == 0:
+            print(f"{title} runs on {', '.join(map(str, allowed))} ranks, not {world_size}: "
+                  f"use --nproc-per-node {allowed[-1] if 4 not in allowed else 4}.", file=sys.stderr)
+        finish(EXIT_USAGE)
+    checks = Checks(rank)
+    try:
+        if init:
+            init_distributed(timeout)
+        main(checks)
+    except Exception as error:  # every failure becomes a verdict that rank 0 can report
+        checks.fail(explain(error))
+        if not isinstance(error, NotImplementedError):
+            traceback.print_exc()
+    finish(report(checks, title, timeout))

@@ -1,0 +1,28 @@
+"""Execute chapter notebooks in place, so their stored outputs are what the code prints now.
+
+Usage (maintainers): python -m ringside.notebooks chapters/04_ring_allreduce.ipynb [...]
+nbval then compares a fresh run against these stored outputs in `make test`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+
+def execute(path: Path, timeout: int = 600) -> None:
+    nb = nbformat.read(path, as_version=4)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbformat.write(nb, path)
+    print(f"executed {path}")
+
+
+if __name__ == "__main__":
+    paths = [Path(p) for p in sys.argv[1:]] or sorted(Path("chapters").glob("[0-9][0-9]_*.ipynb"))
+    for p in paths:
+        execute(p)

@@ -1,0 +1,45 @@
+"""Shared fixtures: where the course lives and how to launch its scripts (always with a timeout)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+# One 4-rank job takes about 6 s here; anything past this is a hang, not slowness.
+LAUNCH_TIMEOUT = 240
+
+
+def launch(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """torchrun `script` on `nproc` ranks; every rank's output, bounded by a timeout."""
+    from ringside.launch import quiet_env, torchrun_command
+
+    try:
+        return subprocess.run(torchrun_command(script, nproc, *args, all_ranks=True), cwd=ROOT,
+                              env=quiet_env(env), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"{script} on {nproc} ranks still running after {timeout} s (a hang?):\n"
+                    f"{(expired.stdout or b'')[-3000:]!r}")
+
+
+def solutions() -> list[Path]:
+    return sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))
+
+
+def stem_ids(paths: list[Path]) -> list[str]:
+    return [p.stem for p in paths]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_clock():
+    start = time.monotonic()
+    yield
+    print(f"\n[suite] tests took {time.monotonic() - start:.0f} s")

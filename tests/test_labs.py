@@ -1,0 +1,61 @@
+"""Every solution passes its own check; every lab stub fails cleanly and says which TODO is open."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, launch, solutions, stem_ids
+
+from ringside.labgen import expected_labs
+
+# Chapters whose labs need a particular number of ranks (default: run at 2 and 4).
+NPROCS = {}
+
+
+def nproc_cases():
+    for path in solutions():
+        for nproc in NPROCS.get(path.stem, (2, 4)):
+            yield pytest.param(path, nproc, id=f"{path.stem}-{nproc}ranks")
+
+
+@pytest.mark.parametrize("solution, nproc", list(nproc_cases()))
+def test_solution_passes(solution, nproc):
+    result = launch(solution, nproc)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, f"{solution.name} failed on {nproc} ranks:\n{out[-4000:]}"
+    assert f"All {nproc} ranks PASS." in result.stdout
+    assert result.stdout.count("PASS (") == nproc
+
+
+@pytest.mark.parametrize("solution", solutions(), ids=stem_ids(solutions()))
+def test_lab_stub_fails_with_its_todo(solution):
+    lab = ROOT / "labs" / solution.name
+    first_todo = next(line.split("# TODO: ", 1)[1] for line in lab.read_text().splitlines() if "# TODO: " in line)
+    nproc = NPROCS.get(solution.stem, (2,))[0]
+    result = launch(lab, nproc)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"FAIL - unfinished - TODO: {first_todo}" in result.stdout
+    assert "ranks FAIL" in result.stdout
+
+
+def test_every_lab_is_generated_from_its_solution():
+    drift = [p.name for p, text in expected_labs(ROOT).items() if not p.exists() or p.read_text() != text]
+    assert not drift, f"labs/ differs from its solutions (run `make labs`): {drift}"
+    assert sorted(p.name for p in (ROOT / "labs").glob("[0-9][0-9]_*.py")) == [p.name for p in solutions()]
+
+
+@pytest.mark.parametrize("solution", solutions(), ids=stem_ids(solutions()))
+def test_lab_ends_through_run_lab(solution):
+    """The exit path of every lab is run_lab (clean teardown, os._exit), never a bare main()."""
+    text = solution.read_text()
+    assert 'if __name__ == "__main__":\n    run_lab(' in text
+
+
+def test_plain_python_says_how_to_run_and_exits_2():
+    lab = ROOT / "labs" / solutions()[0].name
+    result = subprocess.run([sys.executable, str(lab)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "torchrun --standalone --nproc-per-node" in result.stderr
+    assert "Traceback" not in result.stderr

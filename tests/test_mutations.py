@@ -1,0 +1,27 @@
+"""Break each solution in a classic way; its check must fail and name the mistake."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ROOT, launch
+from mutations import MUTATIONS
+
+
+def cases():
+    for stem, mutations in MUTATIONS.items():
+        for m in mutations:
+            yield pytest.param(stem, m, id=f"{stem}-{m.name.replace(' ', '_')}")
+
+
+@pytest.mark.parametrize("stem, mutation", list(cases()))
+def test_check_names_the_mistake(stem, mutation, tmp_path):
+    source = (ROOT / "solutions" / f"{stem}.py").read_text()
+    assert source.count(mutation.old) == 1, f"the text to mutate is not unique in {stem}.py: {mutation.old!r}"
+    broken = tmp_path / "solutions" / f"{stem}.py"
+    broken.parent.mkdir()
+    broken.write_text(source.replace(mutation.old, mutation.new))
+    result = launch(broken, mutation.nproc)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, f"the check did not catch '{mutation.name}':\n{out[-3000:]}"
+    assert "FAIL" in result.stdout, out[-3000:]
+    assert mutation.diagnosis in result.stdout, f"expected '{mutation.diagnosis}' in:\n{out[-3000:]}"
