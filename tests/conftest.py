@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "cases")]
 
 # One 4-rank job takes about 6 s here; anything past this is a hang, not slowness.
 LAUNCH_TIMEOUT = 240

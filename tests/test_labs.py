@@ -8,15 +8,15 @@ import sys
 import pytest
 from conftest import ROOT, launch, solutions, stem_ids
 
+from mutation import nprocs
+
 from ringside.labgen import expected_labs
 
-# Chapters whose labs need a particular number of ranks (default: run at 2 and 4).
-NPROCS = {}
 
 
 def nproc_cases():
     for path in solutions():
-        for nproc in NPROCS.get(path.stem, (2, 4)):
+        for nproc in nprocs(path.stem):
             yield pytest.param(path, nproc, id=f"{path.stem}-{nproc}ranks")
 
 
@@ -33,7 +33,7 @@ def test_solution_passes(solution, nproc):
 def test_lab_stub_fails_with_its_todo(solution):
     lab = ROOT / "labs" / solution.name
     first_todo = next(line.split("# TODO: ", 1)[1] for line in lab.read_text().splitlines() if "# TODO: " in line)
-    nproc = NPROCS.get(solution.stem, (2,))[0]
+    nproc = nprocs(solution.stem)[0]
     result = launch(lab, nproc)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"FAIL - unfinished - TODO: {first_todo}" in result.stdout

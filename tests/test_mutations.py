@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 from conftest import ROOT, launch
-from mutations import MUTATIONS
+from mutation import mutations
 
 
 def cases():
-    for stem, mutations in MUTATIONS.items():
-        for m in mutations:
+    for stem, rows in mutations().items():
+        for m in rows:
             yield pytest.param(stem, m, id=f"{stem}-{m.name.replace(' ', '_')}")
 
 

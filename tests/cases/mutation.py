@@ -1,0 +1,43 @@
+"""The classic mistakes, planted in the solutions: each lab's check must catch them and say so.
+
+Each chapter has a file tests/cases/NN_slug.py with
+    MUTATIONS = [Mutation(what the mistake is, text in the solution, what replaces it,
+                          words the diagnosis must contain, number of ranks), ...]
+    NPROCS = (2, 4)     # optional: the rank counts its solution is tested at
+The original text must occur exactly once in the solution.
+"""
+
+import importlib.util
+from pathlib import Path
+
+from typing import NamedTuple
+
+
+class Mutation(NamedTuple):
+    name: str
+    old: str
+    new: str
+    diagnosis: str
+    nproc: int = 2
+
+
+
+
+def chapter_cases() -> dict[str, object]:
+    """stem -> the module tests/cases/<stem>.py, for every chapter that has one."""
+    modules = {}
+    for path in sorted(Path(__file__).parent.glob("[0-9][0-9]_*.py")):
+        spec = importlib.util.spec_from_file_location(f"cases_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        modules[path.stem] = module
+    return modules
+
+
+def mutations() -> dict[str, list[Mutation]]:
+    return {stem: list(getattr(m, "MUTATIONS", [])) for stem, m in chapter_cases().items()}
+
+
+def nprocs(stem: str) -> tuple[int, ...]:
+    module = chapter_cases().get(stem)
+    return tuple(getattr(module, "NPROCS", (2, 4)))
