@@ -1,0 +1,224 @@
+"""Lab 09 - mixed precision: a dynamic loss scaler by hand, held against torch.amp.GradScaler.
+
+Write `LossScaler`, a scaler with GradScaler's interface: scale the loss, unscale the gradients,
+skip the step when a gradient is inf or NaN (and halve the scale), double the scale after
+`growth_interval` clean steps. The check replays one gradient sequence, with planted inf, NaN and
+overflow steps, through yours and through `torch.amp.GradScaler`, then trains a small DDP model
+under autocast with each, one rank receiving a poisoned batch; scale trajectories, skipped steps
+and weights must agree.
+
+Run it with 4 processes:
+    make lab CH=09 NPROC=4
+    (or: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 labs/09_amp.py)
+"""
+# LAB: fill in every TODO, then run it with torchrun (the command is in the docstring).
+# (For maintainers: `make labs` writes this file from solutions/09_amp.py; edit that one.)
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ringside import Checks, init_distributed, run_lab
+from ringside.compare import all_gather_tensor, flat_params, max_diff
+from ringside.data import digits
+
+
+class LossScaler:
+    """A dynamic loss scaler with GradScaler's interface: scale, unscale_, step, update, get_scale.
+
+    fp16 gradients smaller than about 6e-8 become zero. Multiplying the loss by `scale` multiplies
+    every gradient by it too (the chain rule), lifting them into fp16's range; the gradients are
+    divided by it again before the optimizer sees them. A scale too large makes some gradient inf:
+    that step is skipped and the scale multiplied by backoff_factor. After growth_interval clean
+    (finite) steps in a row, the scale is multiplied by growth_factor, to probe upwards again."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scale_value = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.clean_steps = 0      # finite steps in a row since the last growth or backoff
+        self.found_inf = False    # did this iteration's gradients hold an inf or a NaN?
+        self.unscaled = False     # has unscale_ already run in this iteration?
+
+    def get_scale(self) -> float:
+        return self.scale_value
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the current scale: its backward gives scaled gradients."""
+        # TODO: return the loss multiplied by self.scale_value
+        raise NotImplementedError('TODO: return the loss multiplied by self.scale_value')
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide, in place, every gradient of the optimizer's parameters by the scale; set
+        self.found_inf to whether any gradient holds an inf or a NaN; set self.unscaled."""
+        # TODO: loop over optimizer.param_groups -> group["params"]; for each p with a grad: p.grad.div_(scale), then test it with torch.isfinite
+        raise NotImplementedError('TODO: loop over optimizer.param_groups -> group["params"]; for each p with a grad: p.grad.div_(scale), then test it with torch.isfinite')
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale first if unscale_ was not called in this iteration; then call optimizer.step()
+        only if every gradient was finite (otherwise the step is skipped)."""
+        # TODO: if not self.unscaled, call self.unscale_(optimizer); call optimizer.step() only when not self.found_inf
+        raise NotImplementedError('TODO: if not self.unscaled, call self.unscale_(optimizer); call optimizer.step() only when not self.found_inf')
+
+    def update(self) -> None:
+        """Set the scale for the next iteration, then forget this iteration's state:
+        inf or NaN found -> scale *= backoff_factor and the count of clean steps restarts at 0;
+        otherwise count this clean step, and at growth_interval clean steps in a row
+        scale *= growth_factor and the count restarts at 0."""
+        # TODO: backoff on inf/NaN (and reset self.clean_steps); else count the clean step and grow when the count reaches growth_interval; then reset found_inf and unscaled
+        raise NotImplementedError('TODO: backoff on inf/NaN (and reset self.clean_steps); else count the clean step and grow when the count reaches growth_interval; then reset found_inf and unscaled')
+
+
+# --- The check, part 1: one gradient sequence through both scalers ---------------------------
+
+STEPS = 24
+INIT_SCALE, GROWTH_INTERVAL = 2.0**12, 3
+# Planted steps: an inf, a NaN, and gradients of 1e36, finite in float32 but inf once multiplied
+# by any scale above about 340: the scaler must back off step after step until they fit.
+PLANTED = {4: "an inf", 9: "a NaN", 15: "an overflow", 16: "an overflow", 17: "an overflow"}
+
+
+def gradient_sequence(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(6, generator=g) * 10.0 ** float(torch.randint(-3, 3, (1,), generator=g)) for _ in range(STEPS)]
+    grads[4][2] = float("inf")
+    grads[9][0] = float("nan")
+    for t in (15, 16, 17):
+        grads[t] = torch.full((6,), 1e36)
+    return grads
+
+
+def replay(scaler, grads: list[torch.Tensor]) -> tuple[list[float], list[bool], list[torch.Tensor]]:
+    """Train one parameter vector with SGD on the loss sum(p * g_t), whose gradient is g_t, through
+    `scaler` (the usual order: scale, backward, unscale_, step, update). Returns the scale after
+    every update, whether every step was skipped (weights unchanged), and the weights after it."""
+    p = nn.Parameter(torch.ones(6))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    scales, skipped, weights = [], [], []
+    for g in grads:
+        optimizer.zero_grad()
+        scaler.scale((p * g).sum()).backward()
+        scaler.unscale_(optimizer)  # where gradient clipping would go
+        before = p.detach().clone()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+        skipped.append(torch.equal(before, p.detach()))
+        weights.append(p.detach().clone())
+    return scales, skipped, weights
+
+
+def diagnose_replay(mine, ref, grads) -> str | None:
+    """The first step where the two runs part, and the likely mistake; None when they agree."""
+    (scales, skipped, weights), (ref_scales, ref_skipped, ref_weights) = mine, ref
+    for t in range(STEPS):
+        what = f"step {t}" + (f" ({PLANTED[t]} in the gradients)" if t in PLANTED else "")
+        if skipped[t] != ref_skipped[t]:
+            if not ref_skipped[t]:
+                return (f"{what}: your scaler skipped a step whose gradients were finite - is found_inf "
+                        f"recomputed by every unscale_ and reset by update()?")
+            if PLANTED.get(t) == "a NaN":
+                return (f"{what}: GradScaler skips it, yours took the step - a NaN is not an inf: test the "
+                        f"gradients with torch.isfinite, not torch.isinf")
+            return (f"{what}: GradScaler skips it, yours took the step - step() must not call "
+                    f"optimizer.step() when unscale_ found an inf or a NaN")
+        if not skipped[t]:
+            # Tolerance: the scales are powers of 2, so scaling and unscaling are exact; only SGD's
+            # own float32 arithmetic could differ, and it is the same in both runs.
+            gap = max_diff(weights[t], ref_weights[t])
+            if gap > 1e-6:
+                moved = (weights[t] - weights[t - 1] if t else weights[t] - 1).abs().max()
+                ref_moved = (ref_weights[t] - ref_weights[t - 1] if t else ref_weights[t] - 1).abs().max()
+                ratio = float(moved / ref_moved)
+                if ratio > 2:
+                    hint = ("the step used gradients still multiplied by the scale - unscale_ must divide "
+                            "every p.grad by the scale")
+                elif ratio < 0.5:
+                    hint = ("the gradients were divided by the scale twice - step() must not unscale again "
+                            "when unscale_ already ran in this iteration")
+                else:
+                    hint = "check that unscale_ divides each gradient by the current scale exactly once"
+                return f"{what}: your weights differ from GradScaler's by {gap:.2e} (tolerance 1e-6): {hint}"
+        if scales[t] != ref_scales[t]:
+            before = ref_scales[t - 1] if t else INIT_SCALE
+            if ref_skipped[t] and scales[t] >= before:
+                return (f"{what}: the scale did not back off after a skipped step (yours {scales[t]:g}, "
+                        f"GradScaler's {ref_scales[t]:g}) - on inf or NaN multiply it by backoff_factor")
+            if scales[t] > ref_scales[t]:
+                return (f"{what}: your scale grew to {scales[t]:g} too early (GradScaler: {ref_scales[t]:g}) - "
+                        f"after a skipped step the count of clean steps must restart at 0")
+            return (f"{what}: your scale is {scales[t]:g}, GradScaler's {ref_scales[t]:g} - grow when the count "
+                    f"of clean steps in a row reaches growth_interval ({GROWTH_INTERVAL}), not one step later")
+    return None
+
+
+def check_replay(checks: Checks) -> None:
+    grads = gradient_sequence(seed=dist.get_rank())  # each rank tries its own sequence
+    mine = replay(LossScaler(INIT_SCALE, growth_interval=GROWTH_INTERVAL), [g.clone() for g in grads])
+    ref = replay(torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
+                 [g.clone() for g in grads])
+    problem = diagnose_replay(mine, ref, grads)
+    checks.expect(problem is None, f"rank {dist.get_rank()}, gradient replay: {problem}")
+    if problem is None and dist.get_rank() == 0:
+        print(f"replay: scales {' '.join(f'{s:g}' for s in ref[0])}")
+        print(f"replay: skipped steps {[t for t, s in enumerate(ref[1]) if s]} - the same in both scalers")
+
+
+# --- The check, part 2: DDP + autocast with each scaler, a poisoned batch on one rank --------
+
+TRAIN_STEPS, POISONED_STEP, BATCH = 8, 3, 16
+
+
+def train_amp(scaler, device: torch.device) -> tuple[list[float], torch.Tensor]:
+    """A few DDP steps under fp16 autocast (on the CPU too: its overflows are real); at POISONED_STEP
+    the last rank's batch holds an inf. DDP averages the gradients, so the NaN reaches every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)).to(device),
+                device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x_all, y_all = digits(n=TRAIN_STEPS * BATCH * world_size).tensors
+    scales = []
+    for step in range(TRAIN_STEPS):
+        start = (step * world_size + rank) * BATCH
+        x, y = x_all[start:start + BATCH].clone().to(device), y_all[start:start + BATCH].to(device)
+        if step == POISONED_STEP and rank == world_size - 1:
+            x[0, 0] = float("inf")
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    return scales, flat_params(model)
+
+
+def check_ddp(checks: Checks, device: torch.device) -> None:
+    rank = dist.get_rank()
+    mine, my_weights = train_amp(LossScaler(2.0**20, growth_interval=2), device)
+    ref, ref_weights = train_amp(torch.amp.GradScaler(device.type, init_scale=2.0**20, growth_interval=2), device)
+    checks.expect(mine == ref, f"rank {rank}, DDP + autocast: your scales {mine} differ from GradScaler's {ref}")
+    # Tolerance: the two runs do the same float operations; scales are powers of 2 (exact).
+    gap = max_diff(my_weights, ref_weights)
+    checks.expect(gap <= 1e-6, f"rank {rank}, DDP + autocast: weights differ from GradScaler's run by {gap:.2e} "
+                               f"(tolerance 1e-6)")
+    same = all(max_diff(my_weights, w.cpu()) == 0 for w in all_gather_tensor(my_weights.to(device)))
+    checks.expect(same, f"rank {rank}: the weights differ between ranks after the poisoned step - every rank "
+                        f"must skip the same steps")
+    if rank == 0 and mine == ref:
+        print(f"DDP + fp16 autocast on {device.type}: scales {' '.join(f'{s:g}' for s in ref)} "
+              f"(step {POISONED_STEP} poisoned on rank {dist.get_world_size() - 1}, skipped on every rank)")
+
+
+def main(checks: Checks) -> None:
+    me = init_distributed()
+    check_replay(checks)
+    check_ddp(checks, me.device)
+
+
+if __name__ == "__main__":
+    run_lab(main, title="Lab 09 (amp)")
