@@ -105,7 +105,9 @@ def run_ranks(
     rank by rank, each line prefixed with "[rank r]" (show_output=False keeps it quiet).
     Raises RankError (with the rank and its traceback) if any rank raised, and RanksTimeout,
     after killing every rank, if some had not finished within `timeout` seconds.
-    `collective_timeout` bounds each collective inside the ranks (default: timeout)."""
+    `collective_timeout` bounds each collective inside the ranks; by default it is longer than
+    `timeout`, so that a deadlock is always reported as RanksTimeout, never as a race between the
+    two limits."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         raise RuntimeError(
             "CUDA is already initialized in this kernel, and forked ranks cannot use it. "
@@ -116,7 +118,7 @@ def run_ranks(
     release = ctx.Event()
     tmpdir = tempfile.mkdtemp(prefix="ringside-")
     store_path = os.path.join(tmpdir, "store")
-    collective_timeout = collective_timeout or timeout
+    collective_timeout = collective_timeout or timeout + 30
     procs = [
         ctx.Process(
             target=_worker,
