@@ -1,0 +1,70 @@
+"""run_lab, the labs' self-check: crashes, deadlocks and wrong world sizes become clear verdicts."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from conftest import launch
+
+HEADER = """
+from datetime import timedelta
+import torch, torch.distributed as dist
+from ringside import run_lab
+"""
+
+
+def lab(tmp_path, body: str, run: str):
+    path = tmp_path / "labs" / "99_probe.py"
+    path.parent.mkdir()
+    path.write_text(HEADER + textwrap.dedent(body) + f'\nif __name__ == "__main__":\n    {run}\n')
+    return path
+
+
+def test_a_crash_on_one_rank_is_reported_with_its_place(tmp_path):
+    path = lab(tmp_path, """
+        def main(checks):
+            if dist.get_rank() == 1:
+                raise ValueError("the learner's bug")
+            checks.expect(True, "never shown")
+        """, 'run_lab(main, title="probe")')
+    result = launch(path, 2)
+    assert result.returncode == 1
+    assert "rank 0: PASS (1 checks)" in result.stdout
+    assert "rank 1: FAIL - ValueError: the learner's bug (labs/99_probe.py:" in result.stdout
+    assert "1 of 2 ranks FAIL" in result.stdout
+
+
+def test_a_deadlock_becomes_a_likely_deadlock_verdict(tmp_path):
+    path = lab(tmp_path, """
+        def main(checks):
+            t = torch.zeros(1)
+            dist.recv(t, src=1 - dist.get_rank())  # both ranks receive first
+        """, 'run_lab(main, title="probe", timeout=timedelta(seconds=3))')
+    result = launch(path, 2, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.count("likely a deadlock") == 2
+
+
+def test_a_wrong_world_size_is_refused(tmp_path):
+    path = lab(tmp_path, "def main(checks):\n    checks.expect(True, '')\n",
+               'run_lab(main, title="probe", world_sizes=[3, 4])')
+    result = launch(path, 2)
+    assert result.returncode != 0  # the ranks exit 2; torchrun itself reports any failure as 1
+    assert "probe runs on 3, 4 ranks, not 2" in result.stderr
+
+
+def test_a_lab_that_checks_nothing_fails(tmp_path):
+    path = lab(tmp_path, "def main(checks):\n    pass\n", 'run_lab(main, title="probe")')
+    result = launch(path, 2)
+    assert result.returncode == 1
+    assert "rank 0: FAIL - no check ran" in result.stdout
+
+
+@pytest.mark.parametrize("nproc", [2])
+def test_all_pass_exits_0(tmp_path, nproc):
+    path = lab(tmp_path, "def main(checks):\n    checks.expect(dist.get_world_size() == 2, 'x')\n",
+               'run_lab(main, title="probe")')
+    result = launch(path, nproc)
+    assert result.returncode == 0
+    assert "All 2 ranks PASS." in result.stdout
