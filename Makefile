@@ -19,7 +19,7 @@ chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
 PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
 TORCHRUN = $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
-.PHONY: help setup lab solution jupyter test bench labs clean
+.PHONY: help setup lab solution jupyter test bench labs clean cluster cluster-down cluster-bench
 
 help: ## list the targets
 	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
@@ -42,8 +42,28 @@ solution: setup ## run the solution:  make solution CH=01 NPROC=4
 	@test -n "$(call chapter_file,solutions)" || { echo "no solution for chapter $(CH)"; exit 2; }
 	$(TORCHRUN) $(call chapter_file,solutions)
 
-jupyter: setup ## open the course in JupyterLab on 127.0.0.1
-	$(VENV)/bin/jupyter lab --ip 127.0.0.1 --port $(PORT) --notebook-dir . README.md
+# JUPYTER_PATH puts the .venv's kernel first, so "Python 3" is the course's Python even where a
+# personal python3 kernel exists; OMP_NUM_THREADS=1 (exported above) reaches the kernel and its
+# ranks. It opens the course map (README.md). Several learners on one box: PORT=8890 etc. (a busy
+# port makes JupyterLab try the next one and print its address).
+jupyter: setup ## open the course in JupyterLab on 127.0.0.1 (PORT=8888)
+	JUPYTER_PATH=$(CURDIR)/$(VENV)/share/jupyter $(VENV)/bin/jupyter lab --ip 127.0.0.1 --port $(PORT) \
+	    --ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root) \
+	    $(firstword $(wildcard README.md chapters/00_setup.ipynb))
+
+# The workshop in a real browser (tests/ui/): JupyterLab driven by Playwright in Debian's Chromium
+# (/usr/bin/chromium; Playwright's own browser download is not used). NB="a.ipynb ..." tests those
+# notebooks instead of chapters/*.ipynb. Minutes, so it is not part of `make test`.
+.PHONY: ui-test
+ui-test: setup $(VENV)/.ui-ready ## run every chapter in JupyterLab in Chromium (NB=... picks notebooks)
+	@test -x /usr/bin/chromium || { echo "make ui-test needs Debian's Chromium: sudo apt-get install -y chromium"; exit 2; }
+	@start=$$(date +%s); \
+	NB="$(NB)" $(PY) -m pytest -q -rs -p no:randomly tests/ui/ui_test_workshop.py; status=$$?; \
+	echo "make ui-test: total $$(( $$(date +%s) - start )) s"; exit $$status
+
+$(VENV)/.ui-ready: requirements-ui.txt $(VENV)/.ready
+	$(PIP) -r requirements-ui.txt
+	touch $@
 
 test: setup ## run every test: notebooks (nbval), labs, solutions, package
 	@start=$$(date +%s); \
@@ -53,6 +73,17 @@ test: setup ## run every test: notebooks (nbval), labs, solutions, package
 
 bench: setup ## time naive vs ring vs dist.all_reduce; writes assets/bench/
 	$(PY) -m ringside.bench
+
+N    ?= 4
+RATE ?= 1gbit
+cluster: setup ## (root) N hosts in network namespaces, RATE links: make cluster N=4 RATE=1gbit
+	$(PY) -m ringside.cluster up --hosts $(N) --rate $(RATE)
+
+cluster-down: ## (root) remove the simulated cluster
+	$(PY) -m ringside.cluster down
+
+cluster-bench: setup ## (root) naive vs ring vs all_reduce on 2 and 4 hosts; writes assets/cluster/
+	$(PY) -m ringside.cluster bench --rate $(RATE)
 
 labs: setup ## regenerate labs/ from solutions/ (maintainers; overwrites labs/)
 	$(PY) -m ringside.labgen

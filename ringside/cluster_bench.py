@@ -1,0 +1,150 @@
+"""All-reduce on the simulated cluster: naive vs ring vs dist.all_reduce, with a byte counter.
+
+Runs on every host, one rank each, under `python -m ringside.cluster run` (or `make cluster-bench`):
+
+    python -m ringside.cluster run --hosts 4 ringside/cluster_bench.py --rate 1gbit --out FILE.json
+
+Each rank times every method on the same tensor (a repetition counts as long as its slowest rank)
+and reads its interface's own counters (/sys/class/net/eth0/statistics) before and after, so the
+bytes each host really sent and received are measured, not assumed. Rank 0 writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script by torchrun
+
+from ringside import finish, init_distributed  # noqa: E402
+from ringside.bench import load_ring  # noqa: E402
+from ringside.ring import naive_all_reduce  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def interface_bytes(name: str = "eth0") -> tuple[int, int]:
+    """(bytes sent, bytes received) so far by this host's network interface."""
+    stats = Path("/sys/class/net") / name / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """tc's rate syntax (1gbit, 100mbit, 500kbit) in bytes per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale / 8
+    raise ValueError(f"unknown rate {rate!r}")
+
+
+def time_method(fn, tensor: torch.Tensor, reps: int) -> tuple[float, int, int]:
+    """Median seconds of the slowest rank, and the bytes this host sent and received per call."""
+    fn(tensor.fill_(1.0))  # warm-up: connections and buffers
+    times = []
+    sent0, received0 = interface_bytes()
+    for _ in range(reps):
+        tensor.fill_(1.0)
+        dist.barrier()
+        start = time.perf_counter()
+        fn(tensor)
+        times.append(time.perf_counter() - start)
+    sent1, received1 = interface_bytes()
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist()), (sent1 - sent0) // reps, (received1 - received0) // reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes-mib", default="1,4,16", help="comma-separated tensor sizes in MiB")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rate", default="1gbit", help="the links' rate, as given to `make cluster`")
+    parser.add_argument("--out", required=True)
+    opts = parser.parse_args()
+    me = init_distributed(timeout=timedelta(seconds=120))
+    methods = {"naive": naive_all_reduce, "ring": load_ring(), "all_reduce": dist.all_reduce}
+    rows = []
+    for size_mib in [float(s) for s in opts.sizes_mib.split(",")]:
+        tensor = torch.empty(int(size_mib * MiB) // 4, dtype=torch.float32)
+        for name, fn in methods.items():
+            seconds, sent, received = time_method(fn, tensor, opts.reps)
+            traffic = [None] * me.world_size
+            dist.all_gather_object(traffic, (sent, received))
+            rows.append({"method": name, "bytes": tensor.numel() * 4, "seconds": seconds,
+                         "sent_per_host": [t[0] for t in traffic], "received_per_host": [t[1] for t in traffic]})
+            if me.is_main:
+                print(f"{size_mib:>6g} MiB  {name:<10} {seconds * 1000:8.1f} ms  "
+                      f"host 0 sent {sent / MiB:6.1f} MiB, received {received / MiB:6.1f} MiB", flush=True)
+    if me.is_main:
+        result = {"hosts": me.world_size, "rate": opts.rate, "link_bytes_per_s": rate_bytes_per_s(opts.rate),
+                  "reps": opts.reps, "rows": rows}
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(json.dumps(result, indent=1))
+    finish(0)
+
+
+if __name__ == "__main__":
+    main()
+
+
+# --- Results: stored in assets/cluster/, read by chapter 04 --------------------------------------
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "cluster"
+
+
+def results_path(hosts: int) -> Path:
+    return RESULTS_DIR / f"allreduce_{hosts}hosts.json"
+
+
+def load_results() -> dict[int, dict]:
+    """hosts -> the stored measurement, for every host count measured."""
+    found = {}
+    for path in sorted(RESULTS_DIR.glob("allreduce_*hosts.json")):
+        data = json.loads(path.read_text())
+        found[data["hosts"]] = data
+    return found
+
+
+def fit_alpha_beta(sizes: list[float], seconds: list[float], hosts: int) -> tuple[float, float]:
+    """Least-squares fit of the ring's model T = 2(N-1) alpha + 2(N-1)/N S / B: returns (alpha, B)."""
+    steps = 2 * (hosts - 1)
+    a = torch.tensor([[steps, steps / hosts * s] for s in sizes], dtype=torch.float64)
+    alpha, inverse_b = torch.linalg.lstsq(a, torch.tensor(seconds, dtype=torch.float64).unsqueeze(1)).solution.flatten()
+    return alpha.item(), 1.0 / inverse_b.item()
+
+
+def plot(results: dict[int, dict], path: Path | None = None):
+    """Measured time vs size per method and host count, against the bandwidth bound and the fit."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (hosts, data) in zip(axes[0], sorted(results.items())):
+        link = data["link_bytes_per_s"]
+        for method, style in (("naive", "o-"), ("ring", "s-"), ("all_reduce", "^-")):
+            rows = [r for r in data["rows"] if r["method"] == method]
+            ax.plot([r["bytes"] / MiB for r in rows], [r["seconds"] * 1000 for r in rows], style, label=method)
+        sizes = sorted({r["bytes"] for r in data["rows"]})
+        ax.plot([s / MiB for s in sizes], [2 * (hosts - 1) / hosts * s / link * 1000 for s in sizes], "k--",
+                label="bound 2(N-1)/N S/B")
+        ring = [r for r in data["rows"] if r["method"] == "ring"]
+        if len(ring) >= 2:
+            alpha, bandwidth = fit_alpha_beta([r["bytes"] for r in ring], [r["seconds"] for r in ring], hosts)
+            ax.plot([s / MiB for s in sizes],
+                    [(2 * (hosts - 1) * alpha + 2 * (hosts - 1) / hosts * s / bandwidth) * 1000 for s in sizes],
+                    ":", color="gray", label=f"ring fit: alpha {alpha * 1e3:.1f} ms, B {bandwidth / 1e6:.0f} MB/s")
+        ax.set(xscale="log", yscale="log", xlabel="tensor size (MiB)", ylabel="time (ms)",
+               title=f"{hosts} hosts, {data['rate']} links")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
