@@ -9,6 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+# Tests fork ranks from this process (forkrun.py): it must not start OpenMP threads first.
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
+import sklearn.datasets  # noqa: E402,F401 - imported once here, inherited by every forked rank
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "cases")]
@@ -18,16 +24,23 @@ LAUNCH_TIMEOUT = 240
 
 
 def launch(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT,
-           env: dict | None = None) -> subprocess.CompletedProcess:
-    """torchrun `script` on `nproc` ranks; every rank's output, bounded by a timeout."""
+           env: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` ranks; every rank's output, bounded by a timeout.
+
+    By default the ranks are forked from this process (see forkrun.py: the same environment as
+    torchrun gives, without importing torch again per rank); torchrun=True uses the real torchrun."""
+    from forkrun import fork_run
+
     from ringside.launch import quiet_env, torchrun_command
 
     try:
+        if not torchrun:
+            return fork_run(script, nproc, *args, timeout=timeout, env=env)
         return subprocess.run(torchrun_command(script, nproc, *args, all_ranks=True), cwd=ROOT,
                               env=quiet_env(env), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"{script} on {nproc} ranks still running after {timeout} s (a hang?):\n"
-                    f"{(expired.stdout or b'')[-3000:]!r}")
+        output = expired.output.decode(errors="replace") if isinstance(expired.output, bytes) else expired.output
+        pytest.fail(f"{script} on {nproc} ranks still running after {timeout} s (a hang?):\n{(output or '')[-3000:]}")
 
 
 def solutions() -> list[Path]:
