@@ -1,0 +1,546 @@
+"""Lab 11 - capstone: one real training script with everything, that survives a killed rank.
+
+It trains a small convolutional network on real handwritten digits with torchrun, DDP, a
+DistributedSampler with set_epoch, synchronized BatchNorm, seeding, autocast + GradScaler, exact
+distributed evaluation, a rank-0 progress bar, a plot of the curves, and atomic checkpoints that
+a restarted job resumes from, bit for bit. Fill in the TODOs; the check then trains, evaluates,
+crashes a run on purpose, resumes it and compares.
+
+Run the lab (the self-check) with 2 processes:
+    make lab CH=11 NPROC=2
+    (or: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 labs/11_capstone.py)
+Train for real, let rank 1 die at step 30 and torchrun restart the job from its last checkpoint:
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
+        labs/11_capstone.py --out runs/killed --kill-rank 1 --kill-at-step 30 --no-resume-check
+More options: --help (e.g. --data mnist --data-dir ~/data for torchvision's MNIST on disk).
+"""
+# SOLUTION FILE
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchvision.transforms import v2
+from tqdm import tqdm
+
+from ringside import Checks, Rank, print0, run_lab
+from ringside.compare import all_gather_tensor, flat_params, max_diff
+from ringside.data import digits_split
+from ringside.runtime import DEFAULT_TIMEOUT, device_for, identity_from_env, pick_backend
+from ringside.syncbn import SyncBatchNorm, convert_sync_batchnorm
+
+ACCURACY_BAND = (0.93, 1.0)  # measured: 0.95-0.97 at 1, 2 and 4 ranks with the defaults below
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Data-parallel training of a small CNN, with checkpoints.")
+    p.add_argument("--out", default="runs/capstone", help="checkpoint, final weights, curves (default: %(default)s)")
+    p.add_argument("--data", choices=["digits", "mnist", "cifar10"], default="digits",
+                   help="digits ship with scikit-learn; mnist/cifar10 need --data-dir (never downloaded)")
+    p.add_argument("--data-dir", default=None, help="where torchvision's MNIST or CIFAR-10 already is")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch, split evenly over the ranks")
+    p.add_argument("--lr", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                   help="autocast + GradScaler: float16 on a GPU, bfloat16 on the CPU (default: on a GPU "
+                        "only; a CPU without bfloat16 units runs these convolutions about 7x slower)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.pt (automatic when torchrun restarts the job)")
+    p.add_argument("--kill-rank", type=int, default=1, help="fault injection: the rank that dies")
+    p.add_argument("--kill-at-step", type=int, default=None,
+                   help="fault injection: that rank kills itself (SIGKILL) before this step, first attempt only")
+    p.add_argument("--resume-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="the self-check also crashes a second run on purpose, resumes it and compares")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="rank 0's progress bar (default: only when stderr is a terminal)")
+    args = p.parse_args(argv)
+    if args.data != "digits" and not args.data_dir:
+        p.error(f"--data {args.data} needs --data-dir")
+    return args
+
+
+def join_group() -> Rank:
+    """Join torchrun's process group, in a key space of this attempt's own.
+
+    torchrun keeps one key-value store for the whole job, restarts included, and the ranks of a
+    killed attempt leave their addresses in it. A restarted rank that reads such a stale key
+    connects to a dead process ("Connection refused"): measured here in about half of the
+    restarts. A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts apart."""
+    rank, world_size, local_rank = identity_from_env()
+    backend, device_type = pick_backend()
+    device = device_for(device_type, local_rank)
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=DEFAULT_TIMEOUT)
+    store = dist.PrefixStore(f"attempt_{restart_count()}", store)
+    kwargs = {"device_id": device} if device_type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=DEFAULT_TIMEOUT, **kwargs)
+    return Rank(rank, world_size, local_rank, dist.get_backend(), device)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+# --- Data: real digits, one shard per rank, augmentation seeded per rank and step -----------
+
+
+def load_data(args: argparse.Namespace) -> tuple[TensorDataset, TensorDataset]:
+    """(train, test) as tensors of images N x C x H x W in [0, 1] and labels."""
+    if args.data == "digits":
+        return digits_split(flat=False)  # 1,437 + 359 images of 1 x 8 x 8, no download
+    from torchvision import datasets
+
+    sets = []
+    for train in (True, False):
+        kind = {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}[args.data]
+        raw = kind(args.data_dir, train=train, download=False)
+        x = torch.as_tensor(raw.data).float() / 255  # MNIST: N x 28 x 28, CIFAR-10: N x 32 x 32 x 3
+        x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)
+        sets.append(TensorDataset(x.contiguous(), torch.as_tensor(raw.targets)))
+    return sets[0], sets[1]
+
+
+def make_train_loader(train_set: TensorDataset, batch_per_rank: int, seed: int, me: Rank) -> DataLoader:
+    """This rank's shuffled share of the training set, in batches of batch_per_rank."""
+    # BEGIN SOLUTION: a DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed) as the DataLoader's sampler (drop_last=True in the DataLoader, so every step is a full batch)
+    sampler = DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed)
+    return DataLoader(train_set, batch_size=batch_per_rank, sampler=sampler, drop_last=True)
+    # END SOLUTION
+
+
+AUGMENT = v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1))
+
+
+def augment_seed(seed: int, rank: int, epoch: int, step: int) -> int:
+    """One seed per (rank, epoch, step): ranks augment differently, and a resumed run redoes
+    step s of epoch e exactly as the uninterrupted run did."""
+    return ((seed * 1_000 + rank) * 10_000 + epoch) * 1_000_000 + step
+
+
+def augment(images: torch.Tensor, seed: int) -> torch.Tensor:
+    """A random small rotation, shift and zoom of every image, drawn from `seed` alone."""
+    # BEGIN SOLUTION: inside torch.random.fork_rng(), call torch.manual_seed(seed), then apply AUGMENT to each image separately (a batch would share one draw) and stack
+    with torch.random.fork_rng(devices=[]):  # leave the global random state as it was
+        torch.manual_seed(seed)
+        return torch.stack([AUGMENT(image) for image in images])
+    # END SOLUTION
+
+
+# --- Model: a small CNN with synchronized BatchNorm, wrapped in DDP -------------------------
+
+
+def make_net(channels: int, classes: int = 10) -> nn.Module:
+    def block(c_in, c_out):
+        return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+
+    return nn.Sequential(*block(channels, 16), *block(16, 32), nn.MaxPool2d(2), *block(32, 32),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, classes))
+
+
+def rank_ordered_mean(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the mean of the ranks' gradients, added up in rank order.
+
+    DDP's own all_reduce adds the ranks' numbers in an order that depends on where a gradient
+    sits in its bucket, and DDP re-arranges its buckets after the first step - so the first step
+    after a resume rounds differently in the last bit (with 3 ranks or more). Gathering the
+    buckets and adding them in rank order rounds the same way every time: bit-exact resumes."""
+    grads = bucket.buffer()
+    copies = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, grads)
+    total = copies[0].clone()
+    for other in copies[1:]:
+        total += other
+    future = torch.futures.Future()
+    future.set_result(total / len(copies))
+    return future
+
+
+def build_model(net: nn.Module, me: Rank) -> DDP:
+    """The network with its BatchNorm synchronized over all ranks, on this rank's device, in DDP."""
+    # BEGIN SOLUTION: convert_sync_batchnorm(net) (nn.SyncBatchNorm on nccl, ringside's on gloo), move it to me.device, wrap in DDP (device_ids=[me.device.index] on a GPU, None on the CPU)
+    net = convert_sync_batchnorm(net).to(me.device)
+    model = DDP(net, device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    # END SOLUTION
+    model.register_comm_hook(None, rank_ordered_mean)
+    return model
+
+
+def amp_dtype(args: argparse.Namespace, me: Rank) -> torch.dtype | None:
+    """float16 on a GPU (needs the GradScaler), bfloat16 on the CPU (float32's range), or None."""
+    if not (args.amp if args.amp is not None else me.device.type == "cuda"):
+        return None
+    return torch.float16 if me.device.type == "cuda" else torch.bfloat16
+
+
+def train_step(model: DDP, images: torch.Tensor, labels: torch.Tensor, optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler, dtype: torch.dtype | None) -> torch.Tensor:
+    """One optimizer step on this rank's batch; returns the loss (detached)."""
+    # BEGIN SOLUTION: forward and loss under torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None); scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update(); zero the gradients
+    with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = F.cross_entropy(model(images), labels)
+    scaler.scale(loss).backward()  # DDP averages the gradients over the ranks during backward
+    scaler.step(optimizer)  # unscales; skips the step if a gradient is inf or NaN
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    # END SOLUTION
+    return loss.detach()
+
+
+# --- Checkpoints: everything a resumed run needs, written atomically -------------------------
+
+
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint and restored on resume."""
+
+    epoch: int = 0  # the epoch in progress
+    step_in_epoch: int = 0  # batches of that epoch already done
+    global_step: int = 0
+    loss_sum: float = 0.0  # sum of this epoch's (rank-averaged) batch losses so far
+    history: list = field(default_factory=list)  # one dict per finished epoch
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write `state` to `path` so that a crash mid-write never leaves a broken file at `path`."""
+    # BEGIN SOLUTION: torch.save into a temporary file in the same folder, flush and os.fsync it, then os.replace(temporary, path); delete the temporary file if saving fails
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    # END SOLUTION
+
+
+def read_checkpoint(path: Path, device: torch.device) -> dict:
+    """Load a checkpoint's tensors onto `device`, refusing anything that is not plain data."""
+    # BEGIN SOLUTION: torch.load(path, map_location=device, weights_only=True): tensors and plain containers only, no pickled code runs
+    return torch.load(path, map_location=device, weights_only=True)
+    # END SOLUTION
+
+
+def checkpoint_state(model: DDP, optimizer, scheduler, scaler, progress: Progress, me: Rank) -> dict:
+    return {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+            "progress": asdict(progress), "world_size": me.world_size}
+
+
+def restore(state: dict, model: DDP, optimizer, scheduler, scaler) -> Progress:
+    """Put every piece of training state back; return where the run stopped."""
+    # BEGIN SOLUTION: load_state_dict into model.module, the optimizer (its momentum), the scheduler (its step count) and the scaler; return Progress(**state["progress"])
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    return Progress(**state["progress"])
+    # END SOLUTION
+
+
+# --- Evaluation: every test image exactly once, over all ranks --------------------------------
+
+
+@torch.no_grad()
+def evaluate(net: nn.Module, test_set: TensorDataset, me: Rank, batch_size: int = 256) -> dict:
+    """Exact loss and accuracy over the whole test set; every rank evaluates a part.
+
+    Takes the bare network (model.module): DDP's forward may talk to the other ranks, and ranks
+    with different numbers of test batches would then wait for each other forever."""
+    was_training = net.training
+    net.eval()
+    # BEGIN SOLUTION: take the indices me.rank, me.rank + world_size, ... (each image once: no padding, unlike DistributedSampler); add up loss (reduction="sum"), correct and count in one float64 tensor; all_reduce it
+    mine = torch.arange(me.rank, len(test_set), me.world_size)
+    totals = torch.zeros(3, dtype=torch.float64, device=me.device)  # loss sum, correct, count
+    for batch in mine.split(batch_size):
+        images, labels = (t.to(me.device) for t in test_set[batch])
+        logits = net(images).float()
+        totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum").double(),
+                               (logits.argmax(1) == labels).sum().double(),
+                               torch.tensor(len(labels), dtype=torch.float64, device=me.device)])
+    dist.all_reduce(totals)
+    # END SOLUTION
+    net.train(was_training)
+    loss_sum, correct, count = totals.tolist()
+    return {"loss": loss_sum / count, "accuracy": correct / count, "correct": int(correct), "count": int(count)}
+
+
+# --- The training script ------------------------------------------------------------------------
+
+
+class SimulatedCrash(Exception):
+    """Raised on every rank at a chosen step by the self-check: a crash without the mess."""
+
+
+def maybe_die(args: argparse.Namespace, me: Rank, step: int) -> None:
+    """Fault injection for the demo and the test: one rank dies hard, on the first attempt only."""
+    if args.kill_at_step == step and me.rank == args.kill_rank and restart_count() == 0:
+        print(f"rank {me.rank}: killing myself (SIGKILL) before step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_curves(history: list[dict], path: Path) -> None:
+    """Loss and accuracy per epoch, as a PNG (no pyplot: the caller's backend is left alone)."""
+    from matplotlib.figure import Figure
+
+    epochs = [h["epoch"] + 1 for h in history]
+    fig = Figure(figsize=(8, 3))
+    ax_loss, ax_acc = fig.subplots(1, 2)
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
+    ax_loss.plot(epochs, [h["test_loss"] for h in history], "o-", label="test")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
+    ax_loss.legend()
+    ax_acc.plot(epochs, [h["test_accuracy"] for h in history], "o-", color="C2")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+@dataclass
+class Result:
+    model: DDP
+    loader: DataLoader
+    progress: Progress
+    resumed_from: int | None  # the global step of the checkpoint it resumed from
+    steps_run: int  # steps this call trained (after the resume)
+    test: dict
+
+
+def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) -> Result:
+    """The whole run; resumes from OUT/checkpoint.pt after a torchrun restart or with --resume."""
+    out = Path(args.out)
+    ckpt = out / "checkpoint.pt"
+    resuming = (args.resume or restart_count() > 0) and ckpt.exists()
+    if me.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resuming:  # a fresh run must never resume from an older run's checkpoint later
+            ckpt.unlink(missing_ok=True)
+    dist.barrier()
+
+    train_set, test_set = load_data(args)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
+    loader = make_train_loader(train_set, args.batch_size // me.world_size, args.seed, me)
+    model = build_model(make_net(train_set.tensors[0].shape[1]), me)
+    lr = args.lr * args.batch_size / 64  # scaled with the global batch (chapter 06)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    total_steps = args.epochs * len(loader)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    dtype = amp_dtype(args, me)
+    scaler = torch.amp.GradScaler(me.device.type, enabled=dtype is not None)
+
+    progress, resumed_from = Progress(), None
+    if resuming:
+        state = read_checkpoint(ckpt, me.device)
+        if state["world_size"] != me.world_size:
+            raise RuntimeError(f"{ckpt} was written by {state['world_size']} ranks, this job has "
+                               f"{me.world_size}: resume with the same number, or start afresh")
+        progress = restore(state, model, optimizer, scheduler, scaler)
+        resumed_from = progress.global_step
+        print0(f"resumed from {ckpt} at epoch {progress.epoch}, step {progress.global_step}")
+
+    show_bar = me.is_main and (args.progress if args.progress is not None else sys.stderr.isatty())
+    bar = tqdm(total=total_steps, initial=progress.global_step, disable=not show_bar, unit="step")
+    steps_run = 0
+    for epoch in range(progress.epoch, args.epochs):
+        model.train()
+        # BEGIN SOLUTION: give the sampler this epoch (same order on a rerun, a new one each epoch), then skip the progress.step_in_epoch batches a resumed run has already done (itertools.islice)
+        loader.sampler.set_epoch(epoch)
+        batches = itertools.islice(loader, progress.step_in_epoch, None)
+        # END SOLUTION
+        for images, labels in batches:
+            maybe_die(args, me, progress.global_step)
+            if crash_at_step == progress.global_step:
+                bar.close()
+                raise SimulatedCrash(f"crashed on purpose before step {crash_at_step}")
+            images = augment(images, augment_seed(args.seed, me.rank, epoch, progress.step_in_epoch))
+            loss = train_step(model, images.to(me.device), labels.to(me.device), optimizer, scaler, dtype)
+            scheduler.step()
+            dist.all_reduce(loss)  # for the log only: the mean loss over the ranks
+            progress.loss_sum += loss.item() / me.world_size
+            progress.step_in_epoch += 1
+            progress.global_step += 1
+            steps_run += 1
+            bar.update()
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item() / me.world_size:.3f}")
+            if progress.global_step % args.checkpoint_every == 0 and me.is_main:
+                save_checkpoint(ckpt, checkpoint_state(model, optimizer, scheduler, scaler, progress, me))
+
+        test = evaluate(model.module, test_set, me)
+        progress.history.append({"epoch": epoch, "train_loss": progress.loss_sum / progress.step_in_epoch,
+                                 "test_loss": test["loss"], "test_accuracy": test["accuracy"]})
+        progress.epoch, progress.step_in_epoch, progress.loss_sum = epoch + 1, 0, 0.0
+        if me.is_main:
+            save_checkpoint(ckpt, checkpoint_state(model, optimizer, scheduler, scaler, progress, me))
+            bar.write(f"epoch {epoch + 1}/{args.epochs}: train loss {progress.history[-1]['train_loss']:.2f}, "
+                      f"test accuracy {test['accuracy']:.2f}", file=sys.stdout)
+    bar.close()
+
+    test = evaluate(model.module, test_set, me)
+    if me.is_main:
+        save_checkpoint(out / "final.pt", model.module.state_dict())
+        (out / "history.json").write_text(json.dumps(progress.history, indent=1))
+        save_curves(progress.history, out / "curves.png")
+    return Result(model, loader, progress, resumed_from, steps_run, test)
+
+
+# --- The checks ---------------------------------------------------------------------------------
+
+
+def check_sharding(checks: Checks, result: Result, train_size: int, args: argparse.Namespace, me: Rank) -> None:
+    batch = args.batch_size // me.world_size
+    expected = -(-train_size // me.world_size) // batch  # this rank's share, in full batches
+    steps = len(result.loader)
+    checks.expect(steps == expected,
+                  f"an epoch has {steps} steps per rank, expected {expected}: every rank trains on "
+                  f"{'the whole data set - did you use a DistributedSampler?' if steps > expected else 'too little data'}")
+    sampler = result.loader.sampler
+    checks.expect(isinstance(sampler, DistributedSampler) and sampler.epoch == args.epochs - 1,
+                  f"after {args.epochs} epochs the sampler's epoch is {getattr(sampler, 'epoch', None)}: "
+                  f"every epoch saw the same order - call loader.sampler.set_epoch(epoch) each epoch")
+
+
+def check_replicas(checks: Checks, model: nn.Module) -> None:
+    copies = all_gather_tensor(flat_params(model))
+    worst = max(max_diff(copies[0], other) for other in copies)
+    checks.expect(worst == 0.0, f"the ranks' weights differ after training (max diff {worst:.2e}): "
+                                f"did you wrap the model in DDP, so that gradients are averaged?")
+    modules = list(model.modules())
+    batchnorms = [m for m in modules if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    checks.expect(all(isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm)) for m in batchnorms),
+                  "some BatchNorm layers are not synchronized: each rank normalizes with its own "
+                  "small batch - call convert_sync_batchnorm(net) before wrapping in DDP")
+
+
+def check_evaluation(checks: Checks, result: Result, test_set: TensorDataset) -> None:
+    """The distributed result must equal one process evaluating the whole test set."""
+    net = result.model.module.eval()
+    with torch.no_grad():
+        images, labels = (t.to(next(net.parameters()).device) for t in test_set.tensors)
+        logits = net(images).float()
+        ref_correct = int((logits.argmax(1) == labels).sum())
+        ref_loss = F.cross_entropy(logits, labels).item()
+    got = result.test
+    if got["count"] > len(test_set):
+        hint = "some images were counted twice - DistributedSampler pads; take every world_size-th index"
+    elif got["count"] < len(test_set):
+        hint = "only this rank's part was counted - did you all_reduce the totals?"
+    else:
+        hint = "add up loss (reduction='sum'), correct and count before dividing"
+    checks.expect(got["count"] == len(test_set) and got["correct"] == ref_correct,
+                  f"evaluation counted {got['correct']} correct of {got['count']}, one process counts "
+                  f"{ref_correct} of {len(test_set)}: {hint}")
+    # float64 sums of the same per-image losses in another order: 1e-5 is far above rounding
+    checks.expect(abs(got["loss"] - ref_loss) <= 1e-5 * max(1.0, ref_loss),
+                  f"evaluation loss {got['loss']:.6f}, one process gets {ref_loss:.6f}: {hint}")
+
+
+def check_accuracy(checks: Checks, result: Result, args: argparse.Namespace) -> None:
+    defaults = parse_args([])
+    measured = all(getattr(args, k) == getattr(defaults, k) for k in ("data", "epochs", "batch_size", "lr", "seed"))
+    low, high = ACCURACY_BAND if measured else (0.5, 1.0)  # other settings: at least far better than chance
+    acc = result.test["accuracy"]
+    print0(f"test accuracy {acc:.3f} (band {low:.2f}-{high:.2f}) after {result.progress.global_step} steps")
+    checks.expect(low <= acc <= high,
+                  f"test accuracy {acc:.3f} is outside the band {low}-{high} (measured at 1, 2 and 4 ranks): "
+                  f"check the train step (autocast, scaler.step, zero_grad) and the data split")
+
+
+def check_atomic_save(checks: Checks, directory: Path, me: Rank) -> None:
+    """A save that fails half-way must leave the previous checkpoint readable."""
+    path = directory / f"atomic-check-rank{me.rank}.pt"
+    good = {"value": torch.arange(5)}
+    save_checkpoint(path, good)
+    try:
+        save_checkpoint(path, {"value": torch.arange(5), "cannot be saved": lambda: 0})
+    except Exception:
+        pass  # the second save must fail: a lambda cannot be pickled
+    try:
+        survived = torch.equal(torch.load(path, weights_only=True)["value"], good["value"])
+    except Exception:
+        survived = False
+    checks.expect(survived, "a save that failed half-way destroyed the previous checkpoint: torch.save "
+                            "into a temporary file in the same folder, then os.replace it onto the path")
+    leftovers = sorted(p.name for p in directory.iterdir() if p.name.startswith(f".{path.name}"))
+    checks.expect(not leftovers, f"a failed save left {leftovers} behind: delete the temporary file when saving fails")
+    path.unlink(missing_ok=True)
+
+    unsafe = directory / f"unsafe-check-rank{me.rank}.pt"
+    torch.save({"config": argparse.Namespace(a=1)}, unsafe)  # an arbitrary pickled object
+    try:
+        read_checkpoint(unsafe, me.device)
+        refused = False
+    except Exception:
+        refused = True
+    unsafe.unlink(missing_ok=True)
+    checks.expect(refused, "read_checkpoint loaded an arbitrary pickled object: pass weights_only=True to "
+                           "torch.load, so that a checkpoint cannot run code")
+
+
+def check_resume(checks: Checks, args: argparse.Namespace, me: Rank, reference: Result) -> None:
+    """Crash a second run mid-epoch, resume it, and compare with the uninterrupted run bit for bit."""
+    steps_per_epoch = len(reference.loader)
+    crash = steps_per_epoch * (args.epochs // 2) + steps_per_epoch // 2 + 3  # mid-epoch, past a checkpoint
+    crash += 1 if crash % args.checkpoint_every == 0 else 0
+    last_checkpoint = crash - crash % args.checkpoint_every
+    run = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / "resume-check"), "resume": False,
+                                "progress": False, "kill_at_step": None})
+    try:
+        train(run, me, crash_at_step=crash)
+    except SimulatedCrash:
+        pass
+    print0(f"resume check: crashed before step {crash}, resuming from the checkpoint of step {last_checkpoint}")
+    resumed = train(argparse.Namespace(**{**vars(run), "resume": True}), me)
+    checks.expect(resumed.resumed_from == last_checkpoint,
+                  f"the resumed run started at step {resumed.resumed_from}, the last checkpoint was at step "
+                  f"{last_checkpoint}: restore Progress from the checkpoint")
+    expected_steps = reference.progress.global_step - last_checkpoint
+    checks.expect(resumed.steps_run == expected_steps,
+                  f"after resuming it trained {resumed.steps_run} steps, {expected_steps} were left: skip the "
+                  f"progress.step_in_epoch batches already done (itertools.islice), do not restart the epoch")
+    diff = max_diff(flat_params(resumed.model), flat_params(reference.model))
+    checks.expect(diff == 0.0,
+                  f"the resumed run's final weights differ from the uninterrupted run's (max diff {diff:.2e}): "
+                  f"restore the optimizer (momentum), scheduler and scaler, and seed the augmentation from "
+                  f"(seed, rank, epoch, step) so that every redone step draws the same")
+    buffers = max_diff(torch.cat([b.flatten().float() for b in resumed.model.module.buffers()]),
+                       torch.cat([b.flatten().float() for b in reference.model.module.buffers()]))
+    checks.expect(buffers == 0.0, f"the BatchNorm running statistics differ after resuming (max diff {buffers:.2e}): "
+                                  f"restore the model's whole state_dict (buffers too)")
+
+
+def main(checks: Checks) -> None:
+    args = parse_args()
+    me = join_group()
+    print0(f"training on {me.world_size} rank(s), backend {me.backend}, autocast {amp_dtype(args, me)}")
+    result = train(args, me)
+    train_set, test_set = load_data(args)
+    check_sharding(checks, result, len(train_set), args, me)
+    check_replicas(checks, result.model)
+    check_evaluation(checks, result, test_set)
+    check_accuracy(checks, result, args)
+    check_atomic_save(checks, Path(args.out), me)
+    if args.resume_check and not checks.failures:  # a fixed first failure may fix the rest: fail fast
+        check_resume(checks, args, me, result)
+    print0(f"final weights, history and curves in {args.out}/")
+
+
+if __name__ == "__main__":
+    run_lab(main, title="Lab 11 (capstone)", init=False)

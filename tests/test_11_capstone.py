@@ -1,0 +1,102 @@
+"""Chapter 11: synchronized BatchNorm on the CPU, and a job that survives a killed rank.
+
+The kill-and-resume test runs the capstone twice at 2 ranks: once uninterrupted, once under
+`torchrun --max-restarts=1` with rank 1 killing itself (SIGKILL) mid-epoch on the first attempt.
+torchrun restarts the group, the script resumes from its last atomic checkpoint, and the final
+weights must equal the uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import LAUNCH_TIMEOUT, ROOT
+from torch import nn
+
+from ringside import run_ranks
+from ringside.launch import quiet_env, torchrun_command
+from ringside.syncbn import convert_sync_batchnorm
+
+SCRIPT = ROOT / "solutions" / "11_capstone.py"
+QUICK = ["--epochs", "2", "--no-resume-check"]  # 44 steps at 2 ranks: enough to kill one mid-way
+
+
+def syncbn_against_gathered_batch(rank, world_size):
+    """This rank's part of a global batch through SyncBatchNorm vs BatchNorm on the whole batch."""
+    torch.manual_seed(0)
+    sizes = [3 + r for r in range(world_size)]  # unequal batches: the count is all-reduced too
+    full = torch.randn(sum(sizes), 4, 5, 5) * 2 + 1
+    upstream = torch.randn_like(full)
+    part = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    ref = nn.BatchNorm2d(4)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 2)
+        ref.bias.uniform_(-1, 1)
+    mine = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), backend="gloo")
+    mine[0].load_state_dict(ref.state_dict())
+    x_ref = full.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    (y_ref * upstream).sum().backward()
+    x = full[part].clone().requires_grad_()
+    y = mine(x)
+    (y * upstream[part]).sum().backward()
+    grad_w, grad_b = mine[0].weight.grad.clone(), mine[0].bias.grad.clone()
+    dist.all_reduce(grad_w)  # local weight gradients add up to the global one (DDP averages them)
+    dist.all_reduce(grad_b)
+    return type(mine[0]).__name__, max(
+        (y - y_ref[part]).abs().max().item(),
+        (x.grad - x_ref.grad[part]).abs().max().item(),
+        (grad_w - ref.weight.grad).abs().max().item(),
+        (grad_b - ref.bias.grad).abs().max().item(),
+        (mine[0].running_mean - ref.running_mean).abs().max().item(),
+        (mine[0].running_var - ref.running_var).abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_syncbn_equals_batchnorm_on_the_gathered_batch(world_size):
+    results = run_ranks(syncbn_against_gathered_batch, world_size, show_output=False, timeout=60)
+    for name, worst in results:
+        assert name == "SyncBatchNorm"
+        assert worst < 1e-5, worst  # float32 values of order 1-10: a few ulps, not a mistake
+
+
+def test_converter_picks_native_syncbn_for_nccl():
+    converted = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), backend="nccl")
+    assert type(converted[0]) is nn.SyncBatchNorm
+
+
+def capstone(out: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
+    cmd = torchrun_command(SCRIPT, 2, "--out", str(out), *QUICK, *args, all_ranks=True)
+    cmd.insert(cmd.index("--standalone") + 1, f"--max-restarts={restarts}")
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=quiet_env(), capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the capstone still ran after {LAUNCH_TIMEOUT} s (a hang?): {expired.stdout!r}")
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def test_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
+    plain = capstone(tmp_path / "plain")
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+
+    killed = capstone(tmp_path / "killed", "--kill-rank", "1", "--kill-at-step", "35", restarts=1)
+    log = killed.stdout + killed.stderr
+    assert killed.returncode == 0, log[-4000:]
+    assert "killing myself (SIGKILL) before step 35" in killed.stdout, log[-3000:]
+    assert "resumed from" in killed.stdout and "at epoch 1, step 30" in killed.stdout, log[-3000:]
+    assert "All 2 ranks PASS." in killed.stdout, log[-3000:]
+
+    a, b = final_weights(tmp_path / "plain"), final_weights(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"not bit-for-bit equal after the restart: {different}"
+    assert not list((tmp_path / "killed").glob(".*.tmp")), "a temporary checkpoint file was left behind"
