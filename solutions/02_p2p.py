@@ -138,7 +138,8 @@ def check_halos(checks: Checks, left_halo: torch.Tensor, right_halo: torch.Tenso
                 "so that the caller waits for it")
     elif torch.equal(left_halo, want_right) and torch.equal(right_halo, want_left):
         hint = ("the left and right halos are swapped: with 2 ranks both neighbours are the same "
-                "rank, so the two directions need different tags (GOING_RIGHT / GOING_LEFT)")
+                "rank, so the two directions need different tags (GOING_RIGHT / GOING_LEFT); "
+                "or each edge went to the wrong side (first elements go left, last go right)")
     elif torch.equal(left_halo, before[:width]) or torch.equal(right_halo, after[-width:]):
         hint = ("you sent the wrong edge: your first `width` elements go to the left neighbour, "
                 "your last `width` elements to the right neighbour")
