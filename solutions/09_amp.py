@@ -100,7 +100,7 @@ class LossScaler:
 STEPS = 24
 INIT_SCALE, GROWTH_INTERVAL = 2.0**12, 3
 # Planted steps: an inf, a NaN, and gradients of 1e36, finite in float32 but inf once multiplied
-# by any scale above about 340: the scaler must back off step after step until they fit.
+# by any scale above about 340: the scaler must skip and back off at each of them.
 PLANTED = {4: "an inf", 9: "a NaN", 15: "an overflow", 16: "an overflow", 17: "an overflow"}
 
 
@@ -179,6 +179,10 @@ def diagnose_replay(mine, ref, grads) -> str | None:
 
 
 def check_replay(checks: Checks) -> None:
+    probe = float(LossScaler(INIT_SCALE).scale(torch.tensor(3.0)))
+    if not checks.expect(probe == 3.0 * INIT_SCALE, f"scale(loss) returned {probe:g} for a loss of 3 and a scale "
+                                                    f"of {INIT_SCALE:g} - return loss * self.scale_value"):
+        return
     grads = gradient_sequence(seed=dist.get_rank())  # each rank tries its own sequence
     mine = replay(LossScaler(INIT_SCALE, growth_interval=GROWTH_INTERVAL), [g.clone() for g in grads])
     ref = replay(torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),

@@ -3,6 +3,8 @@
 from mutation import Mutation
 
 MUTATIONS = [
+    Mutation("loss not scaled", "        return loss * self.scale_value\n", "        return loss\n",
+             "return loss * self.scale_value"),
     Mutation("gradients never unscaled", "                p.grad.div_(self.scale_value)\n", "",
              "unscale_ must divide every p.grad by the scale"),
     Mutation("isinf misses NaN", "not bool(torch.isfinite(p.grad).all())", "bool(torch.isinf(p.grad).any())",
