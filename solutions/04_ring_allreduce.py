@@ -205,8 +205,8 @@ def diagnose_ring(result: torch.Tensor, expected: torch.Tensor, mine: torch.Tens
     """What is wrong with `result`, and the likely mistake."""
     rank, numel = dist.get_rank(), result.numel()
     wrong = ((result.double() - expected.double()).abs() > tol).view(-1)
-    where = f"rank {rank}, {tuple(result.shape)} {str(result.dtype).replace('torch.', '')}: " \
-            f"{int(wrong.sum())} of {numel} elements differ from dist.all_reduce"
+    where = (f"{tuple(result.shape)} {str(result.dtype).replace('torch.', '')}: "
+             f"{int(wrong.sum())} of {numel} elements differ from dist.all_reduce")
     if torch.equal(result, mine) and world_size > 1:
         return f"{where} - the tensor is unchanged: write the sums into `tensor` itself (in place)"
     covered = world_size * (numel // world_size)
@@ -218,7 +218,8 @@ def diagnose_ring(result: torch.Tensor, expected: torch.Tensor, mine: torch.Tens
     if good.count(True) == 1 and good.index(True) == (rank + 1) % world_size:
         return (f"{where}: only chunk {(rank + 1) % world_size}, the one this rank reduced, is right - "
                 f"is the all-gather phase missing?")
-    return (f"{where} (right chunks: {[c for c, ok in enumerate(good) if ok]}) - an off-by-one chunk index? "
+    right = ", ".join(str(c) for c, ok in enumerate(good) if ok) or "none"
+    return (f"{where} (chunks right: {right}) - an off-by-one chunk index? "
             f"At scatter-reduce step s rank r sends chunk (r - s) % N and receives (r - s - 1) % N; at "
             f"all-gather step s it sends (r + 1 - s) % N and receives (r - s) % N")
 
@@ -235,7 +236,7 @@ def check_ring(checks: Checks) -> bool:
         result = mine.clone()
         stopped = run_ring(result)
         if stopped:
-            checks.fail(f"rank {rank}, {shape} {dtype}: {stopped}")
+            checks.fail(f"{shape} {str(dtype).replace('torch.', '')}: {stopped}")
             return False
         tol = tolerance(dtype, abs_sum, world_size)
         ok = result.dtype == dtype and result.shape == mine.shape and bool(
