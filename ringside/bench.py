@@ -51,34 +51,40 @@ def repetitions(size: int, quick: bool) -> int:
 def time_rank(rank: int, world_size: int, sizes: list[int], quick: bool) -> list[dict]:
     """Runs on every rank: for each size, repetitions of the three methods, interleaved so that
     a slow moment of the machine hits all three alike. A repetition's time is the slowest rank's;
-    a size's time is the best repetition (other processes on the machine only ever add time)."""
+    a size's time is the best repetition (other processes on the machine only ever add time).
+    The CPU time that a rank spent (all its threads: copies, sums, system calls) is kept too: it
+    does not include waiting, so it hardly depends on what else runs on the machine."""
     ring_all_reduce = load_ring()
     methods = {"naive": naive_all_reduce, "ring": ring_all_reduce, "all_reduce": dist.all_reduce}
     rows = []
     for size in sizes:
         tensor = torch.empty(size // 4, dtype=torch.float32)
-        mine: dict[str, list[float]] = {name: [] for name in methods}
+        wall: dict[str, list[float]] = {name: [] for name in methods}
+        cpu: dict[str, list[float]] = {name: [] for name in methods}
         for rep in range(repetitions(size, quick) + 1):  # the first is a warm-up
             for name, all_reduce in methods.items():
                 tensor.fill_(1.0)  # the same input every time (repeated sums would overflow)
                 dist.barrier()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 all_reduce(tensor)
-                elapsed = time.perf_counter() - start
+                elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
                 if rep:
-                    mine[name].append(elapsed)
+                    wall[name].append(elapsed)
+                    cpu[name].append(elapsed_cpu)
                 if tensor[0].item() != world_size:
                     raise RuntimeError(f"{name} gave {tensor[0].item()} instead of {world_size}")
-        slowest = torch.tensor([mine[name] for name in methods], dtype=torch.float64)
+        slowest = torch.tensor([[wall[name], cpu[name]] for name in methods], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        for name, times in zip(methods, slowest.tolist()):
+        for name, (times, cpu_times) in zip(methods, slowest.tolist()):
             rows.append({"method": name, "ranks": world_size, "bytes": size, "seconds": min(times),
-                         "median_seconds": statistics.median(times), "repetitions": len(times)})
+                         "median_seconds": statistics.median(times), "cpu_seconds": min(cpu_times),
+                         "repetitions": len(times)})
     return rows
 
 
 def run(quick: bool = False) -> dict:
     sizes = SIZES[::3] if quick else SIZES
+    load_before = os.getloadavg()[0]  # how busy the machine was before the bench added its ranks
     rows = []
     for world_size in WORLD_SIZES:
         start = time.perf_counter()
@@ -91,7 +97,7 @@ def run(quick: bool = False) -> dict:
                 "(the least disturbed by other processes; the median is kept too), ranks forked on one "
                 "machine, gloo over loopback",
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "load_average_1min": round(os.getloadavg()[0], 2)},
+                    "torch": torch.__version__, "load_average_1min_before": round(load_before, 2)},
         "methods": list(METHODS),
         "rows": rows,
     }
@@ -102,8 +108,10 @@ def headline(results: dict) -> dict:
     rows = results["rows"]
     ranks, size = max(r["ranks"] for r in rows), max(r["bytes"] for r in rows)
     t = {r["method"]: r["seconds"] for r in rows if r["ranks"] == ranks and r["bytes"] == size}
+    cpu = {r["method"]: r["cpu_seconds"] for r in rows if r["ranks"] == ranks and r["bytes"] == size}
     return {"ranks": ranks, "bytes": size, "ring_over_all_reduce": t["ring"] / t["all_reduce"],
-            "naive_over_all_reduce": t["naive"] / t["all_reduce"]}
+            "naive_over_all_reduce": t["naive"] / t["all_reduce"],
+            "ring_over_all_reduce_cpu": cpu["ring"] / cpu["all_reduce"]}
 
 
 def plot(results: dict, path=BENCH_PNG) -> None:
@@ -154,7 +162,8 @@ def main(argv: list[str]) -> int:
     plot(results)
     h = results["headline"]
     print(f"{h['ranks']} ranks, {human_bytes(h['bytes'])}: ring / all_reduce = {h['ring_over_all_reduce']:.2f}, "
-          f"naive / all_reduce = {h['naive_over_all_reduce']:.2f}")
+          f"naive / all_reduce = {h['naive_over_all_reduce']:.2f}; CPU time ring / all_reduce = "
+          f"{h['ring_over_all_reduce_cpu']:.2f} (load average before: {results['machine']['load_average_1min_before']})")
     print(f"wrote {BENCH_JSON.relative_to(ROOT)} and {BENCH_PNG.relative_to(ROOT)} "
           f"in {time.perf_counter() - start:.0f} s")
     return 0
