@@ -30,10 +30,15 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def all_gather_tensor(t: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's copy of a same-shaped tensor, in rank order, on every rank."""
-    copies = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(copies, t.contiguous())
-    return copies
+    """Every rank's copy of a same-shaped tensor, in rank order, on every rank (on t's device).
+
+    nccl only moves CUDA tensors, so on nccl the exchange happens on this rank's GPU."""
+    wire = t.contiguous()
+    if dist.get_backend() == "nccl":
+        wire = wire.to(torch.device("cuda", torch.cuda.current_device()))
+    copies = [torch.empty_like(wire) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, wire)
+    return [c.to(t.device) for c in copies]
 
 
 def equal_on_all_ranks(t: torch.Tensor, atol: float = 0.0) -> bool:

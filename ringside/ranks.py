@@ -113,6 +113,10 @@ def run_ranks(
             "CUDA is already initialized in this kernel, and forked ranks cannot use it. "
             "Restart the kernel and create CUDA tensors only inside the rank function."
         )
+    # DDP's first use imports torch._dynamo (hundreds of modules, seconds of CPU). Import it once
+    # here, before forking, so that the ranks inherit it instead of each importing it again.
+    import torch._dynamo  # noqa: F401
+
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     release = ctx.Event()

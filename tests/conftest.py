@@ -15,6 +15,7 @@ import torch
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 import sklearn.datasets  # noqa: E402,F401 - imported once here, inherited by every forked rank
+import torch._dynamo  # noqa: E402,F401 - DDP imports it on first use: seconds per rank otherwise
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "cases")]
