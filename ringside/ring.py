@@ -198,7 +198,7 @@ def step_through(max_ranks: int = 8):
         frame.max = 2 * (ranks.value - 1)
         with out:
             out.clear_output(wait=True)
-            draw_ring_steps(ranks.value, [frame.value], width=5.0)
+            draw_ring_steps(ranks.value, [frame.value], width=max(5.0, 0.9 * ranks.value))
             plt.show()
 
     ranks.observe(redraw, names="value")
