@@ -55,9 +55,13 @@ def explain(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if isinstance(error, NotImplementedError):
         return f"unfinished - {text} ({where})"
-    if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower():
+    message = str(error).lower()
+    if "timed out" in message or "timeout" in type(error).__name__.lower():
         return (f"a communication call timed out ({where}): likely a deadlock - a send, recv or "
                 f"collective that another rank never matched")
+    if "closed by peer" in message:  # a neighbour timed out first and gloo closed its connections
+        return (f"a neighbour gave up waiting and closed the connection ({where}): likely a "
+                f"deadlock - a send, recv or collective that the other rank never matched")
     return f"{type(error).__name__}: {text} ({where})"
 
 
