@@ -273,6 +273,8 @@ def save_curves(history: list[dict], path: Path) -> None:
     ax_loss.legend()
     ax_acc.plot(epochs, [h["test_accuracy"] for h in history], "o-", color="C2")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.set_xticks(epochs)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 
