@@ -45,7 +45,7 @@ def repetitions(size: int, quick: bool) -> int:
     """Enough repetitions for a stable median, fewer for the slow large sizes."""
     if quick:
         return 3
-    return 20 if size <= 1 * MiB else (10 if size <= 16 * MiB else 7)
+    return 20 if size <= 1 * MiB else (12 if size <= 16 * MiB else 10)
 
 
 def time_rank(rank: int, world_size: int, sizes: list[int], quick: bool) -> list[dict]:
