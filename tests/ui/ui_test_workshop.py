@@ -253,7 +253,9 @@ CELL_REPORT = f"""() => {{
     const top = [...node.querySelectorAll('.jp-Cell-outputArea > .jp-OutputArea-child > .jp-OutputArea-output')];
     const rendered = top.filter(e => e.firstElementChild && e.firstElementChild.classList.contains('jupyter-widgets'));
     const closed = top.filter(e => !e.hasAttribute('data-mime-type') && !e.firstElementChild);
-    const texts = [...node.querySelectorAll('.jp-OutputArea-output')].map(e => e.innerText);
+    // innermost outputs only: a widget's Output sits inside the cell's own output
+    const texts = [...node.querySelectorAll('.jp-OutputArea-output')]
+      .filter(e => !e.querySelector('.jp-OutputArea-output')).map(e => e.innerText);
     return {{
       index,
       source: c.model.sharedModel.getSource().split('\\n')[0].slice(0, 80),
@@ -279,11 +281,15 @@ CELL_REPORT = f"""() => {{
 FIGURE = """(index) => {
   const w = window.jupyterapp.shell.currentWidget;
   const node = w.content.widgets[index].node;
-  const outs = [...node.querySelectorAll('.widget-output')];
-  if (outs.length) return outs.map(o => o.innerHTML).join('\\n');
-  const area = node.querySelector('.jp-Cell-outputArea').cloneNode(true);
-  area.querySelectorAll('.widget-slider, .widget-readout, .widget-label').forEach(e => e.remove());
-  return area.innerHTML;
+  let roots = [...node.querySelectorAll('.widget-output')];
+  if (!roots.length) {
+    const area = node.querySelector('.jp-Cell-outputArea').cloneNode(true);
+    area.querySelectorAll('.widget-slider, .widget-readout, .widget-label').forEach(e => e.remove());
+    roots = [area];
+  }
+  // what is drawn (images, SVG, text), not the markup around it (which changes on every redraw)
+  return roots.map(r => [...r.querySelectorAll('img')].map(i => i.src).join('|') + '#' +
+    [...r.querySelectorAll('svg')].map(v => v.outerHTML).join('|') + '#' + r.textContent).join('\\n');
 }"""
 
 
@@ -314,6 +320,21 @@ def move_slider(page, slider) -> tuple[str, str]:
     return before, after
 
 
+def redrawn(page, cell_index: int, old: str) -> bool:
+    """Has the figure settled on something other than `old`? A redraw passes through a cleared
+    output, so only a figure that differs and then stays the same, with the kernel idle, counts."""
+    deadline = time.monotonic() + SLIDER_TIMEOUT
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(500)
+        now = page.evaluate(FIGURE, cell_index)
+        if now == old:
+            continue
+        page.wait_for_timeout(1000)
+        if page.evaluate(FIGURE, cell_index) == now and page.evaluate(RUN_FINISHED):
+            return True
+    return False
+
+
 def try_sliders(page, cell_index: int) -> tuple[list[str], list[str]]:
     """Move each slider of one cell; the figure must change for at least one.
     Returns (failures, the moves that changed the figure)."""
@@ -330,16 +351,13 @@ def try_sliders(page, cell_index: int) -> tuple[list[str], list[str]]:
             failures.append(f"cell {cell_index + 1}: slider '{label}' did not move ({before})")
             continue
         moved.append(label)
-        redrawn = wait_for(page, f"([i, old]) => ({FIGURE})(i) !== old", [cell_index, figure],
-                           timeout=SLIDER_TIMEOUT)
-        # let the redraw finish before judging it or moving the next slider
-        wait_for(page, RUN_FINISHED, timeout=SLIDER_TIMEOUT)
-        if redrawn:
-            changed.append(f"{label} {before}->{after}")
+        figure_changed = redrawn(page, cell_index, figure)
         tracebacks = [r for r in page.evaluate(CELL_REPORT) if r["index"] == cell_index][0]["tracebacks"]
         if tracebacks:
             failures.append(f"cell {cell_index + 1}: moving '{label}' {before}->{after} raised:\n{tracebacks[0]}")
-    if moved and not changed:
+        elif figure_changed:
+            changed.append(f"{label} {before}->{after}")
+    if moved and not changed and not failures:
         failures.append(f"cell {cell_index + 1}: moving {', '.join(moved)} did not change the figure "
                         f"in {SLIDER_TIMEOUT} s (is the callback drawing anything?)")
     return failures, changed
