@@ -11,6 +11,7 @@ rank order: the same text on every run.
 
 from __future__ import annotations
 
+import importlib
 import io
 import multiprocessing as mp
 import os
@@ -115,7 +116,7 @@ def run_ranks(
         )
     # DDP's first use imports torch._dynamo (hundreds of modules, seconds of CPU). Import it once
     # here, before forking, so that the ranks inherit it instead of each importing it again.
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")
 
     ctx = mp.get_context("fork")
     results = ctx.Queue()
