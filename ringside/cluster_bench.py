@@ -81,6 +81,9 @@ def time_method(fn, tensor: torch.Tensor, reps: int) -> tuple[float, int, int]:
     """Median seconds of the slowest rank, and the bytes this host sent and received per call."""
     fn(tensor.fill_(1.0))  # warm-up: connections and buffers
     times = []
+    # A call returns once its data is handed to the kernel, not once it has left the interface:
+    # a barrier (every rank has received everything) before each counter reading settles that.
+    dist.barrier()
     sent0, received0 = interface_bytes()
     for _ in range(reps):
         tensor.fill_(1.0)
@@ -88,6 +91,7 @@ def time_method(fn, tensor: torch.Tensor, reps: int) -> tuple[float, int, int]:
         start = time.perf_counter()
         fn(tensor)
         times.append(time.perf_counter() - start)
+    dist.barrier()
     sent1, received1 = interface_bytes()
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
