@@ -165,7 +165,7 @@ def plot(results: dict[int, dict], path: Path | None = None):
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (hosts, data) in zip(axes[0], sorted(results.items())):
         link = data["link_bytes_per_s"]
-        for method, style in (("naive", "o-"), ("ring", "s-"), ("all_reduce", "^-")):
+        for method, style in (("naive", "o-"), ("ring", "s-"), ("ring_pipelined", "d-"), ("all_reduce", "^-")):
             rows = [r for r in data["rows"] if r["method"] == method]
             ax.plot([r["bytes"] / MiB for r in rows], [r["seconds"] * 1000 for r in rows], style, label=method)
         sizes = sorted({r["bytes"] for r in data["rows"]})
