@@ -53,3 +53,19 @@ def test_no_half_made_cluster_after_a_failure():
     with pytest.raises(cluster.ClusterError, match="tc"):
         cluster.up(3, rate="fast")  # the switch and a host exist when tc refuses the rate
     assert cluster.namespaces() == []
+
+
+def test_a_two_node_job_on_two_hosts_of_their_own():
+    """Chapter 05's table, with each node on its own address and the static rendezvous."""
+    from ringside.rendezvous import WHOAMI, identity_table
+
+    cluster.up(2, "1gbit")
+    try:
+        hosts = cluster.run_job(WHOAMI, 2, nproc_per_host=2, timeout=180)
+    finally:
+        cluster.down()
+    assert [h.returncode for h in hosts] == [0, 0], [h.stderr[-2000:] for h in hosts]
+    assert identity_table(hosts) == [
+        f"rank {r} = group_rank {r // 2} x local_world_size 2 + local_rank {r % 2}   "
+        f"(world_size 4, --local-rank argument: -)" for r in range(4)]
+    assert cluster.namespaces() == []
