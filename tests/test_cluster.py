@@ -31,18 +31,19 @@ def four_hosts():
 
 def test_ring_sits_on_the_bandwidth_bound_and_naive_does_not(four_hosts, tmp_path):
     out = tmp_path / "cluster.json"
-    results = cluster.run_job(ROOT / "ringside" / "cluster_bench.py", 4, "--sizes-mib", "16", "--reps", "5",
+    results = cluster.run_job(ROOT / "ringside" / "cluster_bench.py", 4, "--sizes-mib", "16", "--reps", "9",
                               "--rate", "1gbit", "--out", str(out), timeout=240)
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     data = json.loads(out.read_text())
     rows = {row["method"]: row for row in data["rows"]}
     size, n, link = rows["ring"]["bytes"], data["hosts"], data["link_bytes_per_s"]
     bound = 2 * (n - 1) / n * size / link  # each host must send (and receive) 2(N-1)/N of the tensor
-    ring, pipelined, naive = (rows[m]["seconds"] for m in ("ring", "ring_pipelined", "naive"))
+    # The best of 9 repetitions: on a shared machine other programs can only add time.
+    ring, pipelined, naive = (rows[m]["best_seconds"] for m in ("ring", "ring_pipelined", "naive"))
     # The byte counter: every host sent 2(N-1)/N x S in the ring (plus TCP/IP headers, under 5 %).
     for sent in rows["ring"]["sent_per_host"] + rows["ring_pipelined"]["sent_per_host"]:
         assert 2 * (n - 1) / n * size <= sent <= 1.05 * 2 * (n - 1) / n * size
-    # Measured here on 2 cores: pipelined ring 1.06x the bound, the lab's plain ring 1.11-1.22x
+    # Measured here on 2 cores (best of 9): pipelined ring (8 pieces) 1.06x the bound, the lab's plain ring 1.11-1.22x
     # (each of its 6 steps pays a round trip and an addition while the link idles), naive 3.7x.
     assert pipelined <= 1.10 * bound, f"pipelined ring {pipelined * 1000:.0f} ms vs bound {bound * 1000:.0f} ms"
     assert ring <= 1.35 * bound, f"ring {ring * 1000:.0f} ms vs bound {bound * 1000:.0f} ms"
