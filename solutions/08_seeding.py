@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from ringside import Checks, init_distributed, print0, run_lab
-from ringside.compare import flat_params
+from ringside.compare import all_gather_tensor, flat_params
 
 SEED = 1234
 
@@ -126,15 +126,8 @@ def one_run(rank: int, world_size: int, device: torch.device) -> dict:
 
 # ---- the checks ----
 
-def gathered(t: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's copy of t, in rank order (sent as objects: works on gloo and nccl alike)."""
-    copies = [None] * dist.get_world_size()
-    dist.all_gather_object(copies, t.cpu())
-    return copies
-
-
 def check_weights_equal(checks: Checks, run: dict, rank: int) -> None:
-    copies = gathered(run["initial"])
+    copies = all_gather_tensor(run["initial"])
     differ = [r for r, w in enumerate(copies) if not torch.equal(w, copies[0])]
     checks.expect(not differ, f"the initial weights of rank(s) {differ} differ from rank 0's: build the model "
                               f"from the shared seed (torch.manual_seed(seed) inside fork_rng), not seed + rank "
@@ -142,7 +135,7 @@ def check_weights_equal(checks: Checks, run: dict, rank: int) -> None:
 
 
 def check_masks_differ(checks: Checks, run: dict) -> None:
-    masks = gathered(run["mask"])
+    masks = all_gather_tensor(run["mask"])
     same = [(a, b) for a, b in combinations(range(len(masks)), 2) if torch.equal(masks[a], masks[b])]
     checks.expect(not same, f"ranks {same} drew the same dropout mask: every rank drops the same units - "
                             f"seed torch with seed + rank, and keep the shared-seed model building inside "
@@ -174,7 +167,7 @@ def check_rerun(checks: Checks, first: dict, second: dict, rank: int) -> None:
 
 
 def check_ddp_in_sync(checks: Checks, run: dict) -> None:
-    checks.expect(all(torch.equal(w, run["final"]) for w in gathered(run["final"])),
+    checks.expect(all(torch.equal(w, run["final"]) for w in all_gather_tensor(run["final"])),
                   "after training, the ranks' weights differ: DDP keeps them equal only when every rank "
                   "runs the same number of steps on the same model")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,11 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ringside.rendezvous import free_port
 
 
 def _child(script: Path, args: list[str], env: dict[str, str], out: str, err: str) -> None:
