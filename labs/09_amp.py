@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ringside import Checks, init_distributed, run_lab
+from ringside import Checks, Rank, run_lab
 from ringside.compare import all_gather_tensor, flat_params, max_diff
 from ringside.data import digits
 
@@ -218,8 +218,7 @@ def check_ddp(checks: Checks, device: torch.device) -> None:
               f"(step {POISONED_STEP} poisoned on rank {dist.get_world_size() - 1}, skipped on every rank)")
 
 
-def main(checks: Checks) -> None:
-    me = init_distributed()
+def main(me: Rank, checks: Checks) -> None:
     check_replay(checks)
     check_ddp(checks, me.device)
 

@@ -1,6 +1,7 @@
 """The self-check every lab ends with.
 
-A lab's `main(checks)` runs on every rank and records what it verified:
+A lab's `main(me, checks)` runs on every rank (`me` is the `Rank` it joined the group as) and
+records what it verified:
 
     checks.expect(torch.allclose(mine, expected), "gradients are 2x too large - did you divide by world_size?")
 
@@ -129,15 +130,17 @@ def report(checks: Checks, title: str, timeout: timedelta = DEFAULT_TIMEOUT) -> 
 
 
 def run_lab(
-    main: Callable[[Checks], None],
+    main: Callable[..., None],
     title: str,
     world_sizes: Iterable[int] | None = None,
     init: bool = True,
     timeout: timedelta = DEFAULT_TIMEOUT,
 ) -> NoReturn:
-    """Run a lab's main(checks) on this rank and exit with the verdict of all ranks.
+    """Run a lab's main on this rank and exit with the verdict of all ranks.
 
-    init=False leaves joining the process group to the lab (when that is the lesson)."""
+    init=True (the usual case): run_lab joins the group and calls main(me, checks), `me` being
+    this process's Rank. init=False leaves joining the group to the lab (when that is the lesson)
+    and calls main(checks)."""
     require_torchrun(sys.argv[0])
     rank, world_size, _ = identity_from_env()
     allowed = sorted(world_sizes) if world_sizes is not None else None
@@ -149,8 +152,9 @@ def run_lab(
     checks = Checks(rank)
     try:
         if init:
-            init_distributed(timeout)
-        main(checks)
+            main(init_distributed(timeout), checks)
+        else:
+            main(checks)
     except Exception as error:  # every failure becomes a verdict that rank 0 can report
         checks.fail(explain(error))
         if not isinstance(error, NotImplementedError):

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ringside import Checks, print0, print_ranked, run_lab
+from ringside import Checks, Rank, print0, print_ranked, run_lab
 
 # Tags tell apart two messages between the same pair of ranks. With 2 ranks, the left and the
 # right neighbour are the same process, so the halo going right and the halo going left travel
@@ -163,7 +163,7 @@ def check_smoothing(checks: Checks, smoothed: torch.Tensor, size: int, width: in
                                   f"run by {error:.3g}: the halos it used were wrong (see above)")
 
 
-def main(checks: Checks) -> None:
+def main(me: Rank, checks: Checks) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     token = pass_token()
     print_ranked(f"token {token}")

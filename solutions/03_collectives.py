@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ringside import Checks, print0, run_lab
+from ringside import Checks, Rank, print0, run_lab
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:
@@ -182,7 +182,7 @@ def check_all_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> N
                 f"{who_holds(mine[slot], inputs)}, expected rank {slot}'s tensor: {hint}")
 
 
-def main(checks: Checks) -> None:
+def main(me: Rank, checks: Checks) -> None:
     world_size = dist.get_world_size()
     case = 0
     for shape in SHAPES:

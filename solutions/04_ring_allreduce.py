@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
-from ringside import Checks, print0, run_lab
+from ringside import Checks, Rank, print0, run_lab
 from ringside.compare import equal_on_all_ranks, flat_grads, flat_params, max_diff
 from ringside.data import regression
 
@@ -275,7 +275,7 @@ def check_training(checks: Checks) -> None:
     print0(f"home-made DDP matches DDP for {STEPS} steps (max weight gap {gap:.1e})")
 
 
-def main(checks: Checks) -> None:
+def main(me: Rank, checks: Checks) -> None:
     if check_ring(checks):
         print0(f"ring_all_reduce equals dist.all_reduce on {len(ring_cases(dist.get_world_size()))} "
                f"shape/dtype cases")

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
-from ringside import Checks, print0, run_lab
+from ringside import Checks, Rank, print0, run_lab
 from ringside.data import digits
 
 
@@ -181,7 +181,7 @@ def check_training_order(checks: Checks, dataset: TensorDataset, seen: list[list
                                      f"after set_epoch({epoch}) - call sampler.set_epoch(epoch) once per epoch")
 
 
-def main(checks: Checks) -> None:
+def main(me: Rank, checks: Checks) -> None:
     check_grid(checks)
     dataset = indexed_digits(300)
     seen = train(dataset)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Function
 
-from ringside import Checks, init_distributed, print0, run_lab
+from ringside import Checks, Rank, print0, run_lab
 from ringside.compare import max_diff
 
 
@@ -203,8 +203,7 @@ def check_backward(checks: Checks, got: dict, ref: dict, rank: int, world_size: 
                                                    f"{max_diff(got[name], ref[name]):.2e}: {hint}")
 
 
-def main(checks: Checks) -> None:
-    me = init_distributed()
+def main(me: Rank, checks: Checks) -> None:
     got = mine(me.rank, me.world_size, me.device)
     ref = reference(me.world_size)
     print0(f"per-rank batch sizes {batch_sizes(me.world_size)}, {CHANNELS} channels of {SIZE}x{SIZE}")

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
-from ringside import Checks, init_distributed, print0, run_lab
+from ringside import Checks, Rank, print0, run_lab
 from ringside.compare import all_gather_tensor, flat_params
 
 SEED = 1234
@@ -172,8 +172,7 @@ def check_ddp_in_sync(checks: Checks, run: dict) -> None:
                   "runs the same number of steps on the same model")
 
 
-def main(checks: Checks) -> None:
-    me = init_distributed()
+def main(me: Rank, checks: Checks) -> None:
     first = one_run(me.rank, me.world_size, me.device)
     check_weights_equal(checks, first, me.rank)
     check_masks_differ(checks, first)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ringside import Checks, init_distributed, print0, run_lab
+from ringside import Checks, Rank, print0, run_lab
 from ringside.data import digits
 
 SIZES = (1001, 13, 7)  # none is divisible by 2, 3 or 4: some shards are padded
@@ -147,8 +147,7 @@ def check_metrics(checks: Checks, model: nn.Module, dataset: TensorDataset, accu
                 f"{expected:.6f}: {hint}")
 
 
-def main(checks: Checks) -> None:
-    me = init_distributed()
+def main(me: Rank, checks: Checks) -> None:
     model = trained_model()
     x, y = digits().tensors
     for n in SIZES:
