@@ -19,7 +19,7 @@ chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
 PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
 TORCHRUN = $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
-.PHONY: help setup lab solution jupyter test bench labs clean cluster cluster-down cluster-bench
+.PHONY: help setup lab hint solution jupyter test bench labs clean cluster cluster-down cluster-bench
 
 help: ## list the targets
 	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
@@ -37,6 +37,9 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 lab: setup ## run your lab:       make lab CH=01 NPROC=4
 	@test -n "$(call chapter_file,labs)" || { echo "no lab for chapter $(CH) in labs/"; exit 2; }
 	$(TORCHRUN) $(call chapter_file,labs)
+
+hint: setup ## a hint for your first open TODO: make hint CH=04 (again: the next hint)
+	@$(PY) -m tools.labgen --hint $(CH)
 
 solution: setup ## run the solution:  make solution CH=01 NPROC=4
 	@test -n "$(call chapter_file,solutions)" || { echo "no solution for chapter $(CH)"; exit 2; }
@@ -72,21 +75,21 @@ test: setup ## run every test: notebooks (nbval), labs, solutions, package
 	echo "make test: total $$(( $$(date +%s) - start )) s"; exit $$status
 
 bench: setup ## time naive vs ring vs dist.all_reduce; writes assets/bench/
-	$(PY) -m ringside.bench
+	$(PY) -m tools.bench
 
 N    ?= 4
 RATE ?= 1gbit
 cluster: setup ## (root) N hosts in network namespaces, RATE links: make cluster N=4 RATE=1gbit
-	$(PY) -m ringside.cluster up --hosts $(N) --rate $(RATE)
+	$(PY) -m tools.cluster up --hosts $(N) --rate $(RATE)
 
 cluster-down: ## (root) remove the simulated cluster
-	$(PY) -m ringside.cluster down
+	$(PY) -m tools.cluster down
 
 cluster-bench: setup ## (root) naive vs ring vs all_reduce on 2 and 4 hosts; writes assets/cluster/
-	$(PY) -m ringside.cluster bench --rate $(RATE)
+	$(PY) -m tools.cluster bench --rate $(RATE)
 
 labs: setup ## regenerate labs/ from solutions/ (maintainers; overwrites labs/)
-	$(PY) -m ringside.labgen
+	$(PY) -m tools.labgen
 
 clean: ## remove caches and run outputs (keeps .venv)
 	rm -rf runs checkpoints .pytest_cache

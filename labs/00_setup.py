@@ -18,13 +18,13 @@ from ringside import Checks, Rank, print_ranked, run_lab
 def describe_me() -> str:
     """One line that says who this process is, e.g. "rank 2 of 4, local rank 2, backend gloo"."""
     # TODO: ask torch.distributed for the rank, world size and backend, and os.environ for LOCAL_RANK
-    raise NotImplementedError('TODO: ask torch.distributed for the rank, world size and backend, and os.environ for LOCAL_RANK')
+    raise NotImplementedError("the TODO above")
 
 
 def sum_of_ranks(device: torch.device) -> int:
     """Every rank contributes its own rank number; return the total, the same on every rank."""
     # TODO: put this rank's number in a tensor on `device`, all_reduce it with SUM, return the result
-    raise NotImplementedError("TODO: put this rank's number in a tensor on `device`, all_reduce it with SUM, return the result")
+    raise NotImplementedError("the TODO above")
 
 
 def check_introductions(checks: Checks, line: str) -> None:

@@ -45,19 +45,19 @@ def make_model() -> nn.Module:
 def setup() -> torch.device:
     """Join the process group that torchrun prepared; return the device this rank computes on."""
     # TODO: get (backend, device type) from ringside.pick_backend(), call dist.init_process_group(backend, timeout=timedelta(seconds=30)), return device_for(device type, LOCAL_RANK)
-    raise NotImplementedError('TODO: get (backend, device type) from ringside.pick_backend(), call dist.init_process_group(backend, timeout=timedelta(seconds=30)), return device_for(device type, LOCAL_RANK)')
+    raise NotImplementedError("the TODO above")
 
 
 def make_loader(dataset: Dataset) -> DataLoader:
     """Batches of BATCH_PER_RANK from this rank's own share of the data, shuffled with SEED."""
     # TODO: replace DataLoader(dataset, BATCH_PER_RANK, shuffle=True) by one whose sampler is a DistributedSampler(dataset, shuffle=True, seed=SEED)
-    raise NotImplementedError('TODO: replace DataLoader(dataset, BATCH_PER_RANK, shuffle=True) by one whose sampler is a DistributedSampler(dataset, shuffle=True, seed=SEED)')
+    raise NotImplementedError("the TODO above")
 
 
 def wrap(model: nn.Module, device: torch.device) -> nn.Module:
     """Put the model on `device` and make its gradients the average over all ranks."""
     # TODO: move the model to device and wrap it in DDP (device_ids=[device.index] on a GPU, None on the CPU)
-    raise NotImplementedError('TODO: move the model to device and wrap it in DDP (device_ids=[device.index] on a GPU, None on the CPU)')
+    raise NotImplementedError("the TODO above")
 
 
 def train(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
@@ -65,7 +65,7 @@ def train(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(EPOCHS):
         # TODO: tell the sampler which epoch this is, or every epoch repeats the same order
-        raise NotImplementedError('TODO: tell the sampler which epoch this is, or every epoch repeats the same order')
+        raise NotImplementedError("the TODO above")
         total, batches = 0.0, 0
         for x, y in loader:
             x, y = x.to(device), y.to(device)
@@ -75,7 +75,7 @@ def train(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
             optimizer.step()
             total, batches = total + loss.item(), batches + 1
         # TODO: print f"epoch {epoch}: loss {total / batches:.4f}" - from rank 0 only
-        raise NotImplementedError('TODO: print f"epoch {epoch}: loss {total / batches:.4f}" - from rank 0 only')
+        raise NotImplementedError("the TODO above")
 
 
 # --- The check: the same training in one process, on the same global batches ----------------

@@ -32,7 +32,7 @@ def pass_token() -> int:
     rank 1 -> 12, rank 2 -> 123, rank 3 -> 1234, and rank 0 -> 1234 (it came back)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # TODO: find your left and right neighbours on the ring (wrap around with %), then rank 0 sends first and receives last while the others receive, append their digit and send on
-    raise NotImplementedError('TODO: find your left and right neighbours on the ring (wrap around with %), then rank 0 sends first and receives last while the others receive, append their digit and send on')
+    raise NotImplementedError("the TODO above")
 
 
 # -- part 2: a halo exchange with isend/irecv --------------------------------------------------
@@ -50,7 +50,7 @@ def start_halo_exchange(local: torch.Tensor, left_halo: torch.Tensor, right_halo
     rank, world_size = dist.get_rank(), dist.get_world_size()
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
     # TODO: post two irecv (left_halo from the left, right_halo from the right) and two isend (your first `width` elements to the left, your last `width` to the right), each tagged with the direction it travels; return the four requests
-    raise NotImplementedError('TODO: post two irecv (left_halo from the left, right_halo from the right) and two isend (your first `width` elements to the left, your last `width` to the right), each tagged with the direction it travels; return the four requests')
+    raise NotImplementedError("the TODO above")
 
 
 def moving_average(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
     had. In place: change `tensor` itself. Use dist.send and dist.recv only."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # TODO: the root sends its tensor to every other rank; every other rank receives it from the root straight into `tensor`
-    raise NotImplementedError('TODO: the root sends its tensor to every other rank; every other rank receives it from the root straight into `tensor`')
+    raise NotImplementedError("the TODO above")
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int) -> None:
@@ -30,7 +30,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: in
     Use dist.send and dist.recv only."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # TODO: every rank but dst sends its tensor to dst; dst copies its own tensor into its slot and receives each other rank's tensor into that rank's slot
-    raise NotImplementedError("TODO: every rank but dst sends its tensor to dst; dst copies its own tensor into its slot and receives each other rank's tensor into that rank's slot")
+    raise NotImplementedError("the TODO above")
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
@@ -42,7 +42,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
     # TODO: copy your tensor into tensor_list[rank]; then for N-1 steps isend slot (rank - step) % N to the right, irecv slot (rank - step - 1) % N from the left, and wait on both
-    raise NotImplementedError('TODO: copy your tensor into tensor_list[rank]; then for N-1 steps isend slot (rank - step) % N to the right, irecv slot (rank - step - 1) % N from the left, and wait on both')
+    raise NotImplementedError("the TODO above")
 
 
 # -- the checks: the same inputs through your function and through torch.distributed's own --

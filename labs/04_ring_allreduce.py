@@ -31,7 +31,7 @@ def ring_chunks(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     differ by at most one: the first numel % world_size chunks get one extra element.
     10 elements on 4 ranks: sizes 3, 3, 2, 2. 3 elements on 4 ranks: 1, 1, 1, 0."""
     # TODO: base, extra = divmod(flat.numel(), world_size); chunk i has base + 1 elements if i < extra, else base; return the slices flat[start:start + size]
-    raise NotImplementedError('TODO: base, extra = divmod(flat.numel(), world_size); chunk i has base + 1 elements if i < extra, else base; return the slices flat[start:start + size]')
+    raise NotImplementedError("the TODO above")
 
 
 def send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
@@ -40,7 +40,7 @@ def send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> N
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     # TODO: post dist.isend(outgoing, dst=right) and dist.irecv(incoming, src=left) first, then .wait() on both
-    raise NotImplementedError('TODO: post dist.isend(outgoing, dst=right) and dist.irecv(incoming, src=left) first, then .wait() on both')
+    raise NotImplementedError("the TODO above")
 
 
 def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,10 +51,10 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     chunks = ring_chunks(tensor.view(-1), world_size)
     landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once
     # TODO: scatter-reduce - for step in range(world_size - 1): send chunk (rank - step) % world_size, receive chunk (rank - step - 1) % world_size into landing[:that chunk's numel()], and add it to that chunk
-    raise NotImplementedError("TODO: scatter-reduce - for step in range(world_size - 1): send chunk (rank - step) % world_size, receive chunk (rank - step - 1) % world_size into landing[:that chunk's numel()], and add it to that chunk")
+    raise NotImplementedError("the TODO above")
     # now rank r holds the full sum of chunk (r + 1) % world_size
     # TODO: all-gather - for step in range(world_size - 1): send chunk (rank + 1 - step) % world_size, receive chunk (rank - step) % world_size straight into its place (no adding)
-    raise NotImplementedError('TODO: all-gather - for step in range(world_size - 1): send chunk (rank + 1 - step) % world_size, receive chunk (rank - step) % world_size straight into its place (no adding)')
+    raise NotImplementedError("the TODO above")
     return tensor
 
 
@@ -67,7 +67,7 @@ def average_gradients(model: nn.Module) -> None:
     world_size = dist.get_world_size()
     grads = [p.grad for p in model.parameters()]
     # TODO: flat = torch.cat of every grad reshaped to 1-D; ring_all_reduce(flat); turn the sum into a mean; copy each slice back into its grad (g.copy_(flat[offset:offset + g.numel()].view_as(g)))
-    raise NotImplementedError('TODO: flat = torch.cat of every grad reshaped to 1-D; ring_all_reduce(flat); turn the sum into a mean; copy each slice back into its grad (g.copy_(flat[offset:offset + g.numel()].view_as(g)))')
+    raise NotImplementedError("the TODO above")
 
 
 # --- The training that uses it (given) --------------------------------------------------------

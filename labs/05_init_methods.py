@@ -59,7 +59,7 @@ def settings_from_args(argv: list[str], environ: Mapping[str, str] = os.environ)
     args = parse_args(argv)
     method = args.init_method
     # TODO: check the form of the init method (tcp://HOST:PORT, file:///absolute/path, env:// with MASTER_ADDR and MASTER_PORT set), take rank and world size from argv or else RANK and WORLD_SIZE, check their range, and raise BadSettings saying what to fix
-    raise NotImplementedError('TODO: check the form of the init method (tcp://HOST:PORT, file:///absolute/path, env:// with MASTER_ADDR and MASTER_PORT set), take rank and world size from argv or else RANK and WORLD_SIZE, check their range, and raise BadSettings saying what to fix')
+    raise NotImplementedError("the TODO above")
 
 
 def init_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -> Settings:
@@ -67,7 +67,7 @@ def init_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -> 
     A group that cannot form must fail within settings.timeout_s seconds, never hang."""
     settings = settings_from_args(argv, environ)
     # TODO: call dist.init_process_group("gloo", ...) with the init method, rank, world size and a timeout of settings.timeout_s seconds
-    raise NotImplementedError('TODO: call dist.init_process_group("gloo", ...) with the init method, rank, world size and a timeout of settings.timeout_s seconds')
+    raise NotImplementedError("the TODO above")
     return settings
 
 

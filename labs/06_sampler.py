@@ -35,7 +35,7 @@ def shard_indices(n: int, num_replicas: int, rank: int, epoch: int = 0, shuffle:
     3. This rank's share: every num_replicas-th index, starting at position `rank`.
     """
     # TODO: order (torch.randperm with a generator seeded with seed + epoch when shuffling), then cut (drop_last) or pad by repeating from the start to a multiple of num_replicas, then take order[rank::num_replicas]
-    raise NotImplementedError('TODO: order (torch.randperm with a generator seeded with seed + epoch when shuffling), then cut (drop_last) or pad by repeating from the start to a multiple of num_replicas, then take order[rank::num_replicas]')
+    raise NotImplementedError("the TODO above")
 
 
 class ShardSampler(Sampler[int]):
@@ -76,7 +76,7 @@ def train(dataset: TensorDataset, epochs: int = 3, batch_size: int = 16, base_lr
     seen = []
     for epoch in range(epochs):
         # TODO: bug hunt - delete this raise, run the lab, read what the check says about the order of the data, and add the one missing line here
-        raise NotImplementedError('TODO: bug hunt - delete this raise, run the lab, read what the check says about the order of the data, and add the one missing line here')
+        raise NotImplementedError("the TODO above")
         order = []
         for x, y, index in loader:
             loss = F.cross_entropy(model(x), y)

@@ -32,7 +32,7 @@ def global_channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     count is how many values each channel has on all ranks together (batch x pixels), as a tensor.
     The ranks may hold different batch sizes: weight each rank by its count."""
     # TODO: stack this rank's count, sum and sum of squares per channel, all_reduce them (SUM), then mean = sum / count and var = sum_sq / count - mean**2
-    raise NotImplementedError("TODO: stack this rank's count, sum and sum of squares per channel, all_reduce them (SUM), then mean = sum / count and var = sum_sq / count - mean**2")
+    raise NotImplementedError("the TODO above")
     return count, mean, var
 
 
@@ -43,12 +43,12 @@ class SyncBatchNormFunction(Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum):
         count, mean, var = global_channel_stats(x)
         # TODO: update running_mean and running_var in place as BatchNorm does (var made unbiased with count / (count - 1)), then normalize x with the global mean and var, scale by weight, shift by bias; save what backward needs
-        raise NotImplementedError('TODO: update running_mean and running_var in place as BatchNorm does (var made unbiased with count / (count - 1)), then normalize x with the global mean and var, scale by weight, shift by bias; save what backward needs')
+        raise NotImplementedError("the TODO above")
 
     @staticmethod
     def backward(ctx, grad_out):
         # TODO: sum dy and dy * x_hat per channel over this rank, all_reduce both (SUM); grad_x = weight * invstd * (dy - sum_dy / count - x_hat * sum_dy_xhat / count); grad_weight and grad_bias are this rank's own sums (DDP averages them)
-        raise NotImplementedError("TODO: sum dy and dy * x_hat per channel over this rank, all_reduce both (SUM); grad_x = weight * invstd * (dy - sum_dy / count - x_hat * sum_dy_xhat / count); grad_weight and grad_bias are this rank's own sums (DDP averages them)")
+        raise NotImplementedError("the TODO above")
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 

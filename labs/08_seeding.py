@@ -27,7 +27,7 @@ def seed_everything(seed: int, rank: int) -> int:
     """Seed Python's `random`, NumPy's global generator and torch (CPU and every GPU) with seed + rank,
     and return that number: each rank then draws its own dropout masks, and a rerun draws the same."""
     # TODO: compute seed + rank and pass it to random.seed, np.random.seed and torch.manual_seed (which seeds the GPUs too)
-    raise NotImplementedError('TODO: compute seed + rank and pass it to random.seed, np.random.seed and torch.manual_seed (which seeds the GPUs too)')
+    raise NotImplementedError("the TODO above")
 
 
 class Net(nn.Module):
@@ -45,7 +45,7 @@ def build_model(seed: int) -> Net:
     """A Net whose initial weights are the same on every rank: drawn from `seed` alone, without
     changing this rank's own random stream (seeded with seed + rank before this is called)."""
     # TODO: inside `with torch.random.fork_rng(devices=[]):` call torch.manual_seed(seed) and build the Net; the stream is restored on exit
-    raise NotImplementedError('TODO: inside `with torch.random.fork_rng(devices=[]):` call torch.manual_seed(seed) and build the Net; the stream is restored on exit')
+    raise NotImplementedError("the TODO above")
 
 
 class JitteredImages(Dataset):
@@ -77,7 +77,7 @@ def seed_worker(worker_id: int) -> None:
     worker holds the same `dataset.rng`. Torch itself seeds each worker with base seed + worker_id
     (`torch.initial_seed()` in the worker); derive every other generator from that number."""
     # TODO: worker_seed = torch.initial_seed() % 2**32; seed random and np.random with it, and replace get_worker_info().dataset.rng with np.random.default_rng(worker_seed)
-    raise NotImplementedError('TODO: worker_seed = torch.initial_seed() % 2**32; seed random and np.random with it, and replace get_worker_info().dataset.rng with np.random.default_rng(worker_seed)')
+    raise NotImplementedError("the TODO above")
 
 
 def make_loader(dataset: Dataset, seed: int, rank: int, world_size: int, batch_size: int = 16,
@@ -85,7 +85,7 @@ def make_loader(dataset: Dataset, seed: int, rank: int, world_size: int, batch_s
     """This rank's shard of `dataset`, shuffled alike on every rank (the sampler's seed is shared),
     loaded by `workers` processes whose seeds come from a generator seeded with seed + rank."""
     # TODO: a DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed); a torch.Generator seeded with seed + rank; a DataLoader with sampler, num_workers=workers, worker_init_fn=seed_worker and generator
-    raise NotImplementedError('TODO: a DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed); a torch.Generator seeded with seed + rank; a DataLoader with sampler, num_workers=workers, worker_init_fn=seed_worker and generator')
+    raise NotImplementedError("the TODO above")
 
 
 def one_run(rank: int, world_size: int, device: torch.device) -> dict:

@@ -49,19 +49,19 @@ class LossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss multiplied by the current scale: its backward gives scaled gradients."""
         # TODO: return the loss multiplied by self.scale_value
-        raise NotImplementedError('TODO: return the loss multiplied by self.scale_value')
+        raise NotImplementedError("the TODO above")
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide, in place, every gradient of the optimizer's parameters by the scale; set
         self.found_inf to whether any gradient holds an inf or a NaN; set self.unscaled."""
         # TODO: loop over optimizer.param_groups -> group["params"]; for each p with a grad: p.grad.div_(scale), then test it with torch.isfinite
-        raise NotImplementedError('TODO: loop over optimizer.param_groups -> group["params"]; for each p with a grad: p.grad.div_(scale), then test it with torch.isfinite')
+        raise NotImplementedError("the TODO above")
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale first if unscale_ was not called in this iteration; then call optimizer.step()
         only if every gradient was finite (otherwise the step is skipped)."""
         # TODO: if not self.unscaled, call self.unscale_(optimizer); call optimizer.step() only when not self.found_inf
-        raise NotImplementedError('TODO: if not self.unscaled, call self.unscale_(optimizer); call optimizer.step() only when not self.found_inf')
+        raise NotImplementedError("the TODO above")
 
     def update(self) -> None:
         """Set the scale for the next iteration, then forget this iteration's state:
@@ -69,7 +69,7 @@ class LossScaler:
         otherwise count this clean step, and at growth_interval clean steps in a row
         scale *= growth_factor and the count restarts at 0."""
         # TODO: backoff on inf/NaN (and reset self.clean_steps); else count the clean step and grow when the count reaches growth_interval; then reset found_inf and unscaled
-        raise NotImplementedError('TODO: backoff on inf/NaN (and reset self.clean_steps); else count the clean step and grow when the count reaches growth_interval; then reset found_inf and unscaled')
+        raise NotImplementedError("the TODO above")
 
 
 # --- The check, part 1: one gradient sequence through both scalers ---------------------------

@@ -44,14 +44,14 @@ def local_sums(model: nn.Module, loader: DataLoader, n_samples: int, device: tor
     list; a position >= n_samples is a padding copy: leave it out of all three sums.
     loss_sum is the sum of the per-sample cross-entropy losses (F.cross_entropy(..., reduction="none"))."""
     # TODO: for each batch, find the positions rank + k * world_size of its samples, keep those < n_samples, and add up correct predictions, the count and the per-sample losses
-    raise NotImplementedError('TODO: for each batch, find the positions rank + k * world_size of its samples, keep those < n_samples, and add up correct predictions, the count and the per-sample losses')
+    raise NotImplementedError("the TODO above")
 
 
 def exact_metrics(sums: torch.Tensor) -> tuple[float, float]:
     """(accuracy, mean loss) over all ranks' samples, the same on every rank, from each rank's
     [correct, count, loss_sum]."""
     # TODO: add up the three sums over all ranks with dist.all_reduce (on a copy), then divide correct and loss_sum by the total count
-    raise NotImplementedError('TODO: add up the three sums over all ranks with dist.all_reduce (on a copy), then divide correct and loss_sum by the total count')
+    raise NotImplementedError("the TODO above")
 
 
 # --- The check: the same evaluation in one process -------------------------------------------

@@ -120,7 +120,7 @@ def load_data(args: argparse.Namespace) -> tuple[TensorDataset, TensorDataset]:
 def make_train_loader(train_set: TensorDataset, batch_per_rank: int, seed: int, me: Rank) -> DataLoader:
     """This rank's shuffled share of the training set, in batches of batch_per_rank."""
     # TODO: a DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed) as the DataLoader's sampler (drop_last=True in the DataLoader, so every step is a full batch)
-    raise NotImplementedError("TODO: a DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed) as the DataLoader's sampler (drop_last=True in the DataLoader, so every step is a full batch)")
+    raise NotImplementedError("the TODO above")
 
 
 AUGMENT = v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1))
@@ -135,7 +135,7 @@ def augment_seed(seed: int, rank: int, epoch: int, step: int) -> int:
 def augment(images: torch.Tensor, seed: int) -> torch.Tensor:
     """A random small rotation, shift and zoom of every image, drawn from `seed` alone."""
     # TODO: inside torch.random.fork_rng(), call torch.manual_seed(seed), then apply AUGMENT to each image separately (a batch would share one draw) and stack
-    raise NotImplementedError('TODO: inside torch.random.fork_rng(), call torch.manual_seed(seed), then apply AUGMENT to each image separately (a batch would share one draw) and stack')
+    raise NotImplementedError("the TODO above")
 
 
 # --- Model: a small CNN with synchronized BatchNorm, wrapped in DDP -------------------------
@@ -170,7 +170,7 @@ def rank_ordered_mean(state, bucket: dist.GradBucket) -> torch.futures.Future[to
 def build_model(net: nn.Module, me: Rank) -> DDP:
     """The network with its BatchNorm synchronized over all ranks, on this rank's device, in DDP."""
     # TODO: convert_sync_batchnorm(net) (nn.SyncBatchNorm on nccl, ringside's on gloo), move it to me.device, wrap in DDP (device_ids=[me.device.index] on a GPU, None on the CPU)
-    raise NotImplementedError("TODO: convert_sync_batchnorm(net) (nn.SyncBatchNorm on nccl, ringside's on gloo), move it to me.device, wrap in DDP (device_ids=[me.device.index] on a GPU, None on the CPU)")
+    raise NotImplementedError("the TODO above")
     model.register_comm_hook(None, rank_ordered_mean)
     return model
 
@@ -186,7 +186,7 @@ def train_step(model: DDP, images: torch.Tensor, labels: torch.Tensor, optimizer
                scaler: torch.amp.GradScaler, dtype: torch.dtype | None) -> torch.Tensor:
     """One optimizer step on this rank's batch; returns the loss (detached)."""
     # TODO: forward and loss under torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None); scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update(); zero the gradients
-    raise NotImplementedError('TODO: forward and loss under torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None); scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update(); zero the gradients')
+    raise NotImplementedError("the TODO above")
     return loss.detach()
 
 
@@ -207,13 +207,13 @@ class Progress:
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write `state` to `path` so that a crash mid-write never leaves a broken file at `path`."""
     # TODO: torch.save into a temporary file in the same folder, flush and os.fsync it, then os.replace(temporary, path); delete the temporary file if saving fails
-    raise NotImplementedError('TODO: torch.save into a temporary file in the same folder, flush and os.fsync it, then os.replace(temporary, path); delete the temporary file if saving fails')
+    raise NotImplementedError("the TODO above")
 
 
 def read_checkpoint(path: Path, device: torch.device) -> dict:
     """Load a checkpoint's tensors onto `device`, refusing anything that is not plain data."""
     # TODO: torch.load(path, map_location=device, weights_only=True): tensors and plain containers only, no pickled code runs
-    raise NotImplementedError('TODO: torch.load(path, map_location=device, weights_only=True): tensors and plain containers only, no pickled code runs')
+    raise NotImplementedError("the TODO above")
 
 
 def checkpoint_state(model: DDP, optimizer, scheduler, scaler, progress: Progress, me: Rank) -> dict:
@@ -225,7 +225,7 @@ def checkpoint_state(model: DDP, optimizer, scheduler, scaler, progress: Progres
 def restore(state: dict, model: DDP, optimizer, scheduler, scaler) -> Progress:
     """Put every piece of training state back; return where the run stopped."""
     # TODO: load_state_dict into model.module, the optimizer (its momentum), the scheduler (its step count) and the scaler; return Progress(**state["progress"])
-    raise NotImplementedError('TODO: load_state_dict into model.module, the optimizer (its momentum), the scheduler (its step count) and the scaler; return Progress(**state["progress"])')
+    raise NotImplementedError("the TODO above")
 
 
 # --- Evaluation: every test image exactly once, over all ranks --------------------------------
@@ -240,7 +240,7 @@ def evaluate(net: nn.Module, test_set: TensorDataset, me: Rank, batch_size: int 
     was_training = net.training
     net.eval()
     # TODO: take the indices me.rank, me.rank + world_size, ... (each image once: no padding, unlike DistributedSampler); add up loss (reduction="sum"), correct and count in one float64 tensor; all_reduce it
-    raise NotImplementedError('TODO: take the indices me.rank, me.rank + world_size, ... (each image once: no padding, unlike DistributedSampler); add up loss (reduction="sum"), correct and count in one float64 tensor; all_reduce it')
+    raise NotImplementedError("the TODO above")
     net.train(was_training)
     loss_sum, correct, count = totals.tolist()
     return {"loss": loss_sum / count, "accuracy": correct / count, "correct": int(correct), "count": int(count)}
@@ -329,7 +329,7 @@ def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) 
     for epoch in range(progress.epoch, args.epochs):
         model.train()
         # TODO: give the sampler this epoch (same order on a rerun, a new one each epoch), then skip the progress.step_in_epoch batches a resumed run has already done (itertools.islice)
-        raise NotImplementedError('TODO: give the sampler this epoch (same order on a rerun, a new one each epoch), then skip the progress.step_in_epoch batches a resumed run has already done (itertools.islice)')
+        raise NotImplementedError("the TODO above")
         for images, labels in batches:
             maybe_die(args, me, progress.global_step)
             if crash_at_step == progress.global_step:

@@ -1,5 +1,6 @@
 """Chapter 04's shared code: the ring's schedule, its pictures, the naive all-reduce, and the
-cost model fitted to the benchmark (`python -m ringside.bench`).
+cost model fitted to the measurements (`make bench` on one machine, `make cluster-bench` on the
+namespace cluster; both write JSON under assets/ that this module reads without root).
 
 The ring all-reduce on N ranks splits the tensor into N chunks and runs 2(N-1) steps; at every
 step each rank sends one chunk to its right neighbour (rank + 1) and receives one from its left:
@@ -21,10 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+from .launch import ROOT
+
 BENCH_DIR = ROOT / "assets" / "bench"
 BENCH_JSON = BENCH_DIR / "allreduce.json"
 BENCH_PNG = BENCH_DIR / "allreduce.png"
+CLUSTER_DIR = ROOT / "assets" / "cluster"
+MiB = 1024 * 1024
 
 SCATTER_REDUCE, ALL_GATHER = "scatter-reduce", "all-gather"
 
@@ -223,15 +227,17 @@ def model_terms(method: str, n: int, size: float) -> tuple[float, float]:
 
 
 def fit_alpha_beta(rows: list[dict], method: str) -> tuple[float, float]:
-    """Least-squares (alpha, beta) of t = messages*alpha + bytes*beta over the measured rows of
-    one method (all sizes and rank counts), each row weighted by 1/t so that the small sizes
-    (latency) count as much as the large ones (bandwidth)."""
+    """The one fit of the course: (alpha, beta) of t = messages*alpha + bytes*beta over the measured
+    rows of one method (each row: ranks, bytes, seconds), by non-negative least squares (a latency or
+    a time per byte below zero means nothing, so neither may be), each row weighted by 1/t so that
+    the small sizes (latency) count as much as the large ones (bandwidth)."""
     import numpy as np
+    from scipy.optimize import nnls
 
     picked = [row for row in rows if row["method"] == method]
-    terms = np.array([model_terms(method, row["ranks"], row["bytes"]) for row in picked])
+    terms = np.array([model_terms(method, row["ranks"], row["bytes"]) for row in picked], dtype=float)
     times = np.array([row["seconds"] for row in picked])
-    (alpha, beta), *_ = np.linalg.lstsq(terms / times[:, None], np.ones_like(times), rcond=None)
+    (alpha, beta), _ = nnls(terms / times[:, None], np.ones_like(times))
     return float(alpha), float(beta)
 
 
@@ -256,3 +262,47 @@ def human_bytes(size: float) -> str:
             return f"{size:g} {unit}"
         size /= 1024
     raise AssertionError
+
+
+# --- The namespace cluster's results (`make cluster-bench` writes them; no root needed to read) ---
+
+
+def cluster_results_path(hosts: int) -> Path:
+    return CLUSTER_DIR / f"allreduce_{hosts}hosts.json"
+
+
+def load_cluster_results() -> dict[int, dict]:
+    """hosts -> the stored measurement, for every host count measured; each row also gets its
+    rank count (one rank per host), so that `fit_alpha_beta` reads it like the bench's rows."""
+    found = {}
+    for path in sorted(CLUSTER_DIR.glob("allreduce_*hosts.json")):
+        data = json.loads(path.read_text())
+        for row in data["rows"]:
+            row["ranks"] = data["hosts"]
+        found[data["hosts"]] = data
+    return found
+
+
+def plot_cluster(results: dict[int, dict], path: Path | None = None):
+    """Measured time vs size per method and host count, against the bandwidth bound and the fit."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (hosts, data) in zip(axes[0], sorted(results.items())):
+        link = data["link_bytes_per_s"]
+        for method, style in (("naive", "o-"), ("ring", "s-"), ("ring_pipelined", "d-"), ("all_reduce", "^-")):
+            rows = [r for r in data["rows"] if r["method"] == method]
+            ax.plot([r["bytes"] / MiB for r in rows], [r["seconds"] * 1000 for r in rows], style, label=method)
+        sizes = sorted({r["bytes"] for r in data["rows"]})
+        ax.plot([s / MiB for s in sizes], [2 * (hosts - 1) / hosts * s / link * 1000 for s in sizes], "k--",
+                label="bound 2(N-1)/N S/B")
+        alpha, beta = fit_alpha_beta(data["rows"], "ring")
+        ax.plot([s / MiB for s in sizes], [predict("ring", hosts, s, alpha, beta) * 1000 for s in sizes],
+                ":", color="gray", label=f"ring fit: alpha {alpha * 1e3:.2f} ms, B {1 / beta / 1e6:.0f} MB/s")
+        ax.set(xscale="log", yscale="log", xlabel="tensor size (MiB)", ylabel="time (ms)",
+               title=f"{hosts} hosts, {data['rate']} links")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig

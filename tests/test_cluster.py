@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from conftest import ROOT
 
-from ringside import cluster
+from tools import cluster
 
 REASON = cluster.why_not()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -31,7 +31,7 @@ def four_hosts():
 
 def test_ring_sits_on_the_bandwidth_bound_and_naive_does_not(four_hosts, tmp_path):
     out = tmp_path / "cluster.json"
-    results = cluster.run_job(ROOT / "ringside" / "cluster_bench.py", 4, "--sizes-mib", "16", "--reps", "9",
+    results = cluster.run_job(ROOT / "tools" / "cluster_bench.py", 4, "--sizes-mib", "16", "--reps", "9",
                               "--rate", "1gbit", "--out", str(out), timeout=240)
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     data = json.loads(out.read_text())

@@ -10,7 +10,7 @@ from conftest import ROOT, launch, solutions, stem_ids
 
 from mutation import nprocs
 
-from ringside.labgen import expected_labs
+from tools.labgen import expected_labs
 
 
 

@@ -6,9 +6,9 @@ network namespace with its own address and its own interface `eth0`, plugged int
 switch, itself in a namespace) through a veth cable limited with `tc tbf` in both directions.
 Nothing is added to the machine's own network namespace, and only the hosts' own addresses are used.
 
-    python -m ringside.cluster up --hosts 4 --rate 1gbit      (make cluster N=4 RATE=1gbit)
-    python -m ringside.cluster run --hosts 4 SCRIPT [ARGS]    (one torchrun per host)
-    python -m ringside.cluster down                           (make cluster-down)
+    python -m tools.cluster up --hosts 4 --rate 1gbit      (make cluster N=4 RATE=1gbit)
+    python -m tools.cluster run --hosts 4 SCRIPT [ARGS]    (one torchrun per host)
+    python -m tools.cluster down                           (make cluster-down)
 
 It needs root (CAP_NET_ADMIN) and iproute2; without them it says so in one line and changes nothing.
 """
@@ -25,11 +25,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringside import ring
+from ringside.launch import ROOT
+
 PREFIX = "rs-"  # every namespace this module makes starts with it, and `down` removes only those
 SWITCH = "rs-sw"
 SUBNET = "10.77.0"  # the hosts are 10.77.0.1 .. 10.77.0.N, on their own isolated bridge
 PORT = 29500  # free by construction: the namespaces are new
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class ClusterError(RuntimeError):
@@ -165,13 +167,13 @@ def bench(rate: str, sizes_mib: str, host_counts: tuple[int, ...] = (2, 4)) -> i
     """Chapter 04's measurement: bring up each cluster, run the all-reduce bench, take it down."""
     from . import cluster_bench
 
-    cluster_bench.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    ring.CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
     for hosts in host_counts:
         up(hosts, rate)
         try:
             print(f"-- {hosts} hosts, {rate} links")
             results = run_job(Path(cluster_bench.__file__), hosts, "--sizes-mib", sizes_mib, "--rate", rate,
-                              "--out", str(cluster_bench.results_path(hosts)), timeout=540)
+                              "--out", str(ring.cluster_results_path(hosts)), timeout=540)
         finally:
             down()
         for r in results:
@@ -179,8 +181,8 @@ def bench(rate: str, sizes_mib: str, host_counts: tuple[int, ...] = (2, 4)) -> i
             if r.returncode != 0:
                 print(f"host {r.host} failed:\n{r.stderr[-2000:]}", file=sys.stderr)
                 return 1
-    cluster_bench.plot(cluster_bench.load_results(), cluster_bench.RESULTS_DIR / "allreduce.png")
-    print(f"wrote {cluster_bench.RESULTS_DIR.relative_to(ROOT)}/")
+    ring.plot_cluster(ring.load_cluster_results(), ring.CLUSTER_DIR / "allreduce.png")
+    print(f"wrote {ring.CLUSTER_DIR.relative_to(ROOT)}/")
     return 0
 
 
@@ -189,7 +191,7 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ringside.cluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.cluster", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="make the hosts")
     p_up.add_argument("--hosts", type=int, default=4)

@@ -1,8 +1,8 @@
 """All-reduce on the simulated cluster: naive vs ring vs dist.all_reduce, with a byte counter.
 
-Runs on every host, one rank each, under `python -m ringside.cluster run` (or `make cluster-bench`):
+Runs on every host, one rank each, under `python -m tools.cluster run` (or `make cluster-bench`):
 
-    python -m ringside.cluster run --hosts 4 ringside/cluster_bench.py --rate 1gbit --out FILE.json
+    python -m tools.cluster run --hosts 4 tools/cluster_bench.py --rate 1gbit --out FILE.json
 
 Each rank times every method on the same tensor (a repetition counts as long as its slowest rank)
 and reads its interface's own counters (/sys/class/net/eth0/statistics) before and after, so the
@@ -25,8 +25,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script by torchrun
 
 from ringside import finish, init_distributed  # noqa: E402
-from ringside.bench import load_ring  # noqa: E402
-from ringside.ring import naive_all_reduce  # noqa: E402
+from ringside.ring import SCATTER_REDUCE, naive_all_reduce, ring_schedule  # noqa: E402
+from tools.bench import load_ring  # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -56,8 +56,9 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, segments: int = 8) -> torch.
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
     chunks = [c.tensor_split(segments) for c in tensor.view(-1).tensor_split(n)]
-    schedule = [("add", (rank - s) % n, (rank - s - 1) % n) for s in range(n - 1)]
-    schedule += [("copy", (rank + 1 - s) % n, (rank - s) % n) for s in range(n - 1)]
+    # the ring's one schedule (ringside.ring): at each step, which chunk this rank sends and receives
+    schedule = [("add" if step.phase == SCATTER_REDUCE else "copy", step.sends[rank], step.receives(rank))
+                for step in ring_schedule(n)]
     sends, arriving = [], None  # arriving: (receive requests, landing buffers, how, chunk) of the step before
     for how, send_chunk, receive_chunk in schedule:
         landing = [torch.empty_like(piece) for piece in chunks[receive_chunk]] if how == "add" else list(chunks[receive_chunk])
@@ -132,57 +133,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-# --- Results: stored in assets/cluster/, read by chapter 04 --------------------------------------
-
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "cluster"
-
-
-def results_path(hosts: int) -> Path:
-    return RESULTS_DIR / f"allreduce_{hosts}hosts.json"
-
-
-def load_results() -> dict[int, dict]:
-    """hosts -> the stored measurement, for every host count measured."""
-    found = {}
-    for path in sorted(RESULTS_DIR.glob("allreduce_*hosts.json")):
-        data = json.loads(path.read_text())
-        found[data["hosts"]] = data
-    return found
-
-
-def fit_alpha_beta(sizes: list[float], seconds: list[float], hosts: int) -> tuple[float, float]:
-    """Least-squares fit of the ring's model T = 2(N-1) alpha + 2(N-1)/N S / B: returns (alpha, B)."""
-    steps = 2 * (hosts - 1)
-    a = torch.tensor([[steps, steps / hosts * s] for s in sizes], dtype=torch.float64)
-    alpha, inverse_b = torch.linalg.lstsq(a, torch.tensor(seconds, dtype=torch.float64).unsqueeze(1)).solution.flatten()
-    return alpha.item(), 1.0 / inverse_b.item()
-
-
-def plot(results: dict[int, dict], path: Path | None = None):
-    """Measured time vs size per method and host count, against the bandwidth bound and the fit."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
-    for ax, (hosts, data) in zip(axes[0], sorted(results.items())):
-        link = data["link_bytes_per_s"]
-        for method, style in (("naive", "o-"), ("ring", "s-"), ("ring_pipelined", "d-"), ("all_reduce", "^-")):
-            rows = [r for r in data["rows"] if r["method"] == method]
-            ax.plot([r["bytes"] / MiB for r in rows], [r["seconds"] * 1000 for r in rows], style, label=method)
-        sizes = sorted({r["bytes"] for r in data["rows"]})
-        ax.plot([s / MiB for s in sizes], [2 * (hosts - 1) / hosts * s / link * 1000 for s in sizes], "k--",
-                label="bound 2(N-1)/N S/B")
-        ring = [r for r in data["rows"] if r["method"] == "ring"]
-        if len(ring) >= 2:
-            alpha, bandwidth = fit_alpha_beta([r["bytes"] for r in ring], [r["seconds"] for r in ring], hosts)
-            ax.plot([s / MiB for s in sizes],
-                    [(2 * (hosts - 1) * alpha + 2 * (hosts - 1) / hosts * s / bandwidth) * 1000 for s in sizes],
-                    ":", color="gray", label=f"ring fit: alpha {alpha * 1e3:.1f} ms, B {bandwidth / 1e6:.0f} MB/s")
-        ax.set(xscale="log", yscale="log", xlabel="tensor size (MiB)", ylabel="time (ms)",
-               title=f"{hosts} hosts, {data['rate']} links")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-    return fig

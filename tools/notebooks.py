@@ -1,6 +1,6 @@
 """Execute chapter notebooks in place, so their stored outputs are what the code prints now.
 
-Usage (maintainers): python -m ringside.notebooks chapters/04_ring_allreduce.ipynb [...]
+Usage (maintainers): python tools/notebooks.py chapters/04_ring_allreduce.ipynb [...]
 nbval then compares a fresh run against these stored outputs in `make test`.
 """
 

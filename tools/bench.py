@@ -8,7 +8,7 @@ Writes assets/bench/allreduce.json (every measurement) and assets/bench/allreduc
 bus bandwidth vs size), which chapter 04 reads. The ranks are forked on this machine (gloo over
 loopback), so "links" are memory copies that share the same cores: read the result with that in mind.
 
-Usage: python -m ringside.bench [--quick]   (--quick: fewer sizes and repetitions, for a smoke test)
+Usage: python -m tools.bench [--quick]   (--quick: fewer sizes and repetitions, for a smoke test)
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .ranks import run_ranks
-from .ring import BENCH_DIR, BENCH_JSON, BENCH_PNG, METHODS, ROOT, bus_bandwidth, human_bytes, naive_all_reduce
+from ringside import run_ranks
+from ringside.ring import BENCH_DIR, BENCH_JSON, BENCH_PNG, METHODS, ROOT, bus_bandwidth, human_bytes, naive_all_reduce
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB * 4**k for k in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
