@@ -1,0 +1,449 @@
+"""Lab 12 - DDP by hand, the way DDP does it: gradient buckets, all-reduces that overlap backward,
+and gradient accumulation that skips communication.
+
+A hook on every parameter fires as soon as its gradient is ready. Gradients are grouped into
+buckets (in reverse registration order, because backward produces the last layer's gradients
+first); when a bucket's last gradient arrives, the hook launches an asynchronous all-reduce of the
+whole bucket and returns at once, so the communication runs while backward computes the rest.
+Before the optimizer step, training waits for every bucket and divides by the world size, once.
+Inside `no_sync()` the hooks do nothing: the gradients of the micro-batches just accumulate.
+
+The check trains the same model with torch's own DistributedDataParallel (and its `no_sync`) on
+the same micro-batches and compares; it also records the order of events (gradient ready,
+all-reduce launched, waited on, optimizer step) to see that your all-reduces overlap backward.
+
+Run it with 4 processes:
+    make lab CH=12 NPROC=4
+    (or: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 labs/12_ddp_internals.py)
+"""
+# SOLUTION FILE
+
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ringside import Checks, Rank, print0, run_lab
+from ringside.compare import all_gather_tensor, flat_params, max_diff
+from ringside.data import digits
+
+SEED = 0
+LR = 0.1
+WINDOWS = 4          # optimizer steps
+ACCUM = 3            # micro-batches accumulated per step
+MICRO_BATCH = 8      # samples per rank per micro-batch
+BUCKET_CAP = 4000    # elements per bucket (DDP counts megabytes: bucket_cap_mb, 25 by default)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(SEED)  # the same initial weights in every process and in the check
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+# --- Your part: buckets, the gradient hook, the wait, no_sync, one accumulation window --------
+
+
+def make_buckets(params: list[torch.Tensor], cap: int) -> list[list[int]]:
+    """Group the parameters' indices into buckets, the way DDP's reducer does.
+
+    Walk the parameters in REVERSE registration order (backward produces the last layer's
+    gradients first). Add each index to the current bucket; once the bucket holds at least `cap`
+    elements (sum of numel), close it and start a new one. Every index lands in exactly one bucket;
+    the last bucket may be smaller than `cap`. Example: numels [100, 10, 100, 10], cap 50
+    -> [[3, 2], [1, 0]]."""
+    # HINT 1: reversed(range(len(params))) walks the indices from the last parameter to the first.
+    # HINT 2: keep `current` (a list of indices) and `size` (its element count); append `current` to the result when size >= cap, and once more at the end if it is not empty.
+    # BEGIN SOLUTION: return the list of buckets (lists of parameter indices), filled in reverse registration order, each closed once it holds >= cap elements
+    buckets, current, size = [], [], 0
+    for index in reversed(range(len(params))):
+        current.append(index)
+        size += params[index].numel()
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+    # END SOLUTION
+
+
+class HandDDP(nn.Module):
+    """A data-parallel wrapper with DDP's reducer written out: buckets, hooks, async all-reduces."""
+
+    def __init__(self, module: nn.Module, bucket_cap: int = BUCKET_CAP):
+        super().__init__()
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        for p in self.params:  # every rank starts from rank 0's weights, as DDP does
+            dist.broadcast(p.data, src=0)
+        self.buckets = make_buckets(self.params, bucket_cap)
+        self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
+        self.ready = [0] * len(self.buckets)  # how many gradients of each bucket have arrived
+        self.pending = []                     # (work, flat buffer, bucket) of launched all-reduces
+        self.sync = True                      # False inside no_sync(): hooks do nothing
+        for index, p in enumerate(self.params):
+            # Called by autograd right after p.grad has been accumulated during backward.
+            p.register_post_accumulate_grad_hook(lambda p, index=index: self.on_gradient_ready(index))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def on_gradient_ready(self, index: int) -> None:
+        """Runs inside backward when self.params[index].grad is ready. Must return at once."""
+        # HINT 1: count the arrivals in self.ready[bucket]; when the count equals the bucket's length, reset it to 0 and launch.
+        # HINT 2: flat = torch.cat([self.params[i].grad.reshape(-1) for i in bucket]); work = dist.all_reduce(flat, async_op=True); remember (work, flat, bucket) in self.pending - never work.wait() here.
+        # BEGIN SOLUTION: unless sync is off, count this gradient in its bucket; when the bucket's last gradient arrives, launch an async all-reduce (sum) of the bucket's gradients flattened into one buffer, keep (work, buffer, bucket) in self.pending, and return without waiting
+        if not self.sync:
+            return
+        bucket = self.bucket_of[index]
+        self.ready[bucket] += 1
+        if self.ready[bucket] == len(self.buckets[bucket]):
+            self.ready[bucket] = 0
+            flat = torch.cat([self.params[i].grad.reshape(-1) for i in self.buckets[bucket]])
+            work = dist.all_reduce(flat, async_op=True)
+            self.pending.append((work, flat, bucket))
+        # END SOLUTION
+
+    def finish_gradient_sync(self) -> None:
+        """Call after the last backward of a window, before optimizer.step(): afterwards every
+        p.grad holds the average of that gradient over all ranks."""
+        # HINT 1: for work, flat, bucket in self.pending: work.wait(), then flat /= world size.
+        # HINT 2: copy the slices back: offset = 0; for i in self.buckets[bucket]: g = self.params[i].grad; g.copy_(flat[offset:offset + g.numel()].view_as(g)); offset += g.numel(). Empty self.pending at the end.
+        # BEGIN SOLUTION: wait for every pending all-reduce, divide its buffer by the world size (once), copy the averaged slices back into each parameter's .grad, and empty the pending list
+        world_size = dist.get_world_size()
+        for work, flat, bucket in self.pending:
+            work.wait()
+            flat /= world_size
+            offset = 0
+            for i in self.buckets[bucket]:
+                grad = self.params[i].grad
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self.pending = []
+        # END SOLUTION
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this block, backward only accumulates gradients locally: no communication."""
+        # BEGIN SOLUTION: switch self.sync off for the block and back on afterwards (even if the block raises)
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+        # END SOLUTION
+
+
+def train_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                 loss_of: Callable) -> None:
+    """One optimizer step from ACCUM micro-batches (gradient accumulation).
+
+    `loss_of(model, batch)` returns the micro-batch's loss, already divided by the number of
+    micro-batches. Works for HandDDP and for torch's DDP (both have no_sync)."""
+    # BEGIN SOLUTION: backward every micro-batch's loss - all but the last inside model.no_sync() - then, for a HandDDP, finish_gradient_sync(); then optimizer.step() and optimizer.zero_grad()
+    for batch in micro_batches[:-1]:
+        with model.no_sync():
+            loss_of(model, batch).backward()
+    loss_of(model, micro_batches[-1]).backward()
+    if isinstance(model, HandDDP):
+        model.finish_gradient_sync()
+    optimizer.step()
+    optimizer.zero_grad()
+    # END SOLUTION
+
+
+# --- Training, for your DDP and for torch's --------------------------------------------------
+
+
+def rank_micro_batches(rank: int, world_size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """This rank's micro-batches, window by window: a different slice of the digits on each rank."""
+    x, y = digits().tensors
+    per_window = ACCUM * MICRO_BATCH * world_size
+    windows = []
+    for w in range(WINDOWS):
+        start = w * per_window + rank * ACCUM * MICRO_BATCH
+        windows.append([(x[s:s + MICRO_BATCH], y[s:s + MICRO_BATCH])
+                        for s in range(start, start + ACCUM * MICRO_BATCH, MICRO_BATCH)])
+    return windows
+
+
+def train(model: nn.Module, windows: list, device: torch.device, events: list | None = None,
+          after_first: Callable | None = None) -> None:
+    """Train WINDOWS steps with train_window; note forward passes, steps and window ends in `events`."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def loss_of(model, batch):
+        if events is not None:
+            events.append(("forward",))
+        x, y = batch
+        return loss_fn(model(x.to(device)), y.to(device)) / len(windows[0])
+
+    if events is not None:
+        optimizer.register_step_pre_hook(lambda *_: events.append(("step",)))
+    if after_first is not None:  # look at the gradients just before the first step, once
+        def first_step(*_):
+            after_first()
+            handle.remove()
+        handle = optimizer.register_step_pre_hook(first_step)
+    for micro_batches in windows:
+        train_window(model, optimizer, micro_batches, loss_of)
+        if events is not None:
+            events.append(("window end",))
+
+
+# --- The check ---------------------------------------------------------------------------------
+
+
+class RecordedWork:
+    """The Work of an async all-reduce, noting in the event list when it is waited on."""
+
+    def __init__(self, work, events: list):
+        self.work, self.events = work, events
+
+    def wait(self, *args, **kwargs):
+        self.events.append(("wait",))
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextmanager
+def recording_all_reduce(events: list) -> Iterator[None]:
+    """Replace dist.all_reduce for the block by one that notes every launch in `events`."""
+    real = dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        events.append(("launch", tensor.numel(), async_op))
+        work = real(tensor, op=op, group=group, async_op=async_op)
+        return RecordedWork(work, events) if async_op else work
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+def record_gradient_ready(model: nn.Module, events: list) -> None:
+    """Note ("ready", index) when each parameter's gradient is ready (registered before HandDDP's
+    own hooks, so it fires first)."""
+    for index, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(lambda p, index=index: events.append(("ready", index)))
+
+
+def check_buckets(checks: Checks, params: list, buckets) -> bool:
+    """The rules of make_buckets, checked one by one. Returns False when training cannot run."""
+    n = len(params)
+    try:
+        flat = [int(i) for bucket in buckets for i in bucket]
+    except TypeError:
+        checks.fail(f"make_buckets returned {type(buckets).__name__}, not a list of lists of indices")
+        return False
+    missing = sorted(set(range(n)) - set(flat))
+    if missing or len(flat) != n or sorted(flat) != list(range(n)):
+        repeated = sorted({i for i in flat if flat.count(i) > 1})
+        checks.fail(f"the buckets hold indices {flat} for {n} parameters: "
+                    + (f"parameter(s) {missing} are in no bucket, so their gradients are never averaged "
+                       f"(an off-by-one in the reversed range?)" if missing else
+                       f"parameter(s) {repeated} are in two buckets") + " - every index must be in exactly one bucket")
+        return False
+    if flat != list(reversed(range(n))):
+        first = "parameter 0 (the first layer) comes first" if flat[0] == 0 else f"the order is {flat}"
+        checks.fail(f"buckets in forward order: {first}, but backward produces the last layer's gradients "
+                    f"first - fill buckets in reverse registration order, or the first bucket is only "
+                    f"complete when backward ends and nothing overlaps")
+        return True
+    sizes = [sum(params[i].numel() for i in bucket) for bucket in buckets]
+    for b, bucket in enumerate(buckets):
+        full_before_last = sizes[b] - params[bucket[-1]].numel() >= BUCKET_CAP
+        too_small = sizes[b] < BUCKET_CAP and b < len(buckets) - 1
+        if full_before_last or too_small:
+            checks.fail(f"bucket {b} holds {sizes[b]} elements (cap {BUCKET_CAP}): bucket sizes {sizes} do not "
+                        f"follow the rule - close a bucket as soon as it holds >= cap elements"
+                        + (" (one bucket for everything means one all-reduce at the very end: no overlap)"
+                           if len(buckets) == 1 else ""))
+            return True
+    checks.expect(True, "")
+    return True
+
+
+def check_async(checks: Checks, events: list, rank: int) -> None:
+    if any(e[0] == "launch" and not e[2] for e in events):
+        checks.fail(f"rank {rank}: an all-reduce was called without async_op=True - it blocks inside the "
+                    f"hook, so backward waits for the network: launch it asynchronously and wait later")
+
+
+def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> None:
+    """Read the recorded order of events, window by window."""
+    windows, current = [], []
+    for event in events:
+        if event[0] == "window end":
+            windows.append(current)
+            current = []
+        else:
+            current.append(event)
+    for w, window in enumerate(windows, start=1):
+        # Split the window into micro-batches: each starts with a forward.
+        micro, segments = [], []
+        for event in window:
+            if event[0] == "forward" and micro:
+                segments.append(micro)
+                micro = []
+            micro.append(event)
+        segments.append(micro)
+        if len(segments) != ACCUM:
+            checks.fail(f"rank {rank}, window {w}: {len(segments)} forward passes, expected {ACCUM} micro-batches")
+            return
+        early = sum(e[0] == "launch" for s in segments[:-1] for e in s)
+        if early:
+            checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {ACCUM - 1} micro-batches "
+                        f"- reducing during accumulation wastes {ACCUM - 1} of every {ACCUM} communications: "
+                        f"inside no_sync() the hook must do nothing")
+            return
+        last = segments[-1]
+        launches = [i for i, e in enumerate(last) if e[0] == "launch"]
+        readies = [i for i, e in enumerate(last) if e[0] == "ready"]
+        waits = [i for i, e in enumerate(last) if e[0] == "wait"]
+        steps = [i for i, e in enumerate(last) if e[0] == "step"]
+        if len(launches) != n_buckets:
+            hint = (" - the last backward of a window must run outside no_sync(), with sync on again"
+                    if not launches and w == 1 else
+                    " - are the per-bucket ready counts reset after each launch?" if w > 1 else "")
+            checks.fail(f"rank {rank}, window {w}: {len(launches)} all-reduces on the last micro-batch, expected one "
+                        f"per bucket ({n_buckets}){hint}")
+            return
+        if waits and readies and waits[0] < readies[-1]:
+            checks.fail(f"rank {rank}, window {w}: waited for an all-reduce while gradients were still arriving "
+                        f"- waiting inside the hook stalls backward; keep the Work and wait in "
+                        f"finish_gradient_sync()")
+            return
+        if launches[0] > readies[-1]:
+            checks.fail(f"rank {rank}, window {w}: every all-reduce started after the last gradient was ready - "
+                        f"nothing overlaps backward: launch a bucket from the hook as soon as it is full")
+            return
+        if len(waits) != n_buckets:
+            checks.fail(f"rank {rank}, window {w}: waited {len(waits)} times for {n_buckets} all-reduces - "
+                        + ("never waited: call work.wait() on every pending all-reduce before the step"
+                           if not waits else "empty the pending list after each window"))
+            return
+        if not steps or steps[0] < waits[-1]:
+            checks.fail(f"rank {rank}, window {w}: the optimizer stepped before every all-reduce was waited on - "
+                        f"call finish_gradient_sync() before optimizer.step()")
+            return
+    checks.expect(len(windows) == WINDOWS, f"rank {rank}: {len(windows)} windows trained, expected {WINDOWS}")
+
+
+def check_gradients(checks: Checks, names: list[str], mine: list, reference: list, local: list,
+                    world_size: int, rank: int) -> bool:
+    """The first window's gradients, parameter by parameter, against DDP's."""
+    # Tolerance: the same sums in another order and division before/after the sum differ by float32
+    # rounding (relative 1e-6); the mistakes (x2, /2, a rank's own gradient) are off by 30% or more.
+    def close(a, b):
+        return torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    for name, g, ref, own in zip(names, mine, reference, local):
+        if g is None:
+            checks.fail(f"rank {rank}: {name}.grad is None before the step - was backward run?")
+            return False
+        if not torch.isfinite(g).all():
+            checks.fail(f"rank {rank}: {name}.grad holds NaN or inf before the first step")
+            return False
+        if close(g, ref):
+            continue
+        if close(g * world_size, ref):
+            checks.fail(f"rank {rank}: {name}.grad is {world_size}x too small - divided by world_size twice "
+                        f"(before and after the all-reduce?)")
+        elif close(g, ref * world_size):
+            checks.fail(f"rank {rank}: {name}.grad is {world_size}x too large - the sum was never divided by the "
+                        f"world size")
+        elif close(g, own):
+            checks.fail(f"rank {rank}: {name}.grad is still this rank's own gradient - the averaged buffer was "
+                        f"never copied back into .grad (or this parameter is never reduced)")
+        else:
+            checks.fail(f"rank {rank}: {name}.grad differs from DDP's by {max_diff(g, ref):.2e} before the first "
+                        f"step (tolerance rtol 1e-4) - check the flatten/copy-back offsets")
+        return False
+    return checks.expect(True, "")
+
+
+def check_weights(checks: Checks, model: nn.Module, reference: torch.Tensor, rank: int) -> None:
+    mine = flat_params(model)
+    copies = all_gather_tensor(mine.to(next(model.parameters()).device))
+    if any(max_diff(mine, copy.cpu()) > 0 for copy in copies):
+        checks.fail(f"after {WINDOWS} steps the weights differ between ranks - some gradient is not averaged "
+                    f"on every rank")
+        return
+    # Tolerance: DDP divides before its all-reduce, we divide after, and the sums run in another
+    # order: float32 rounding of about 1e-7 per step (7e-9 measured here after 4 steps), so 1e-5 is
+    # generous; a missing
+    # zero_grad or a stale bucket moves the weights by more than 1e-3.
+    gap = max_diff(mine, reference)
+    checks.expect(gap <= 1e-5, f"after {WINDOWS} steps the weights differ from DDP's by {gap:.2e} (tolerance "
+                               f"1e-5), although the first window's gradients matched - are the gradients zeroed "
+                               f"after each step, and is each window's pending list fresh?")
+
+
+def reference_run(me: Rank, windows: list) -> tuple[list, list, torch.Tensor]:
+    """torch's DDP on the same micro-batches, with its own no_sync, in a loop of the check's own:
+    its first-window gradients, this rank's own (un-averaged) first-window gradients, and its
+    weights after training."""
+    model = DDP(make_model().to(me.device), device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = nn.CrossEntropyLoss()
+    grads = []
+    for w, micro_batches in enumerate(windows):
+        for m, (x, y) in enumerate(micro_batches):
+            with model.no_sync() if m < len(micro_batches) - 1 else nullcontext():
+                (loss_fn(model(x.to(me.device)), y.to(me.device)) / len(micro_batches)).backward()
+        if w == 0:
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+
+    local = make_model().to(me.device)  # no communication at all: this rank's own gradients
+    for x, y in windows[0]:
+        (loss_fn(local(x.to(me.device)), y.to(me.device)) / len(windows[0])).backward()
+    return grads, [p.grad for p in local.parameters()], flat_params(model.module)
+
+
+def main(me: Rank, checks: Checks) -> None:
+    windows = rank_micro_batches(me.rank, me.world_size)
+    ref_grads, own_grads, ref_weights = reference_run(me, windows)
+
+    model = make_model().to(me.device)
+    names = [name for name, _ in model.named_parameters()]
+    events: list = []
+    record_gradient_ready(model, events)
+    params = [p for p in model.parameters()]
+    buckets = make_buckets(params, BUCKET_CAP)
+    if not check_buckets(checks, params, buckets):
+        return
+    hand = HandDDP(model)
+    print0(f"{len(params)} parameters in {len(hand.buckets)} buckets (reverse order): {hand.buckets}")
+    grads = []
+
+    def grab():
+        grads.extend(None if p.grad is None else p.grad.detach().clone() for p in model.parameters())
+    try:
+        with recording_all_reduce(events):
+            train(hand, windows, me.device, events=events, after_first=grab)
+    except Exception:
+        check_async(checks, events, me.rank)  # a blocking all_reduce returns no Work to wait on
+        raise
+    check_async(checks, events, me.rank)
+    check_events(checks, events, len(hand.buckets), me.rank)
+    if check_gradients(checks, names, grads, ref_grads, own_grads, me.world_size, me.rank):
+        check_weights(checks, model, ref_weights, me.rank)
+    launches = sum(e[0] == "launch" for e in events)
+    print0(f"{WINDOWS} steps of {ACCUM} micro-batches: {launches} all-reduces on rank 0 "
+           f"({len(hand.buckets)} per step; without no_sync it would be {ACCUM * len(hand.buckets)})")
+
+
+if __name__ == "__main__":
+    run_lab(main, title="Lab 12 (ddp_internals)")
