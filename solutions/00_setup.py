@@ -16,58 +16,105 @@ from ringside import Checks, Rank, print_ranked, run_lab
 
 def describe_me() -> str:
     """One line that says who this process is, e.g. "rank 2 of 4, local rank 2, backend gloo"."""
-    # BEGIN SOLUTION: ask torch.distributed for the rank, world size and backend, and os.environ for LOCAL_RANK
+    # HINT 1: torch.distributed knows this process's rank, the world size and the backend; torchrun put the local rank in an environment variable
+    # HINT 2: dist.get_rank(), dist.get_world_size(), dist.get_backend() and int(os.environ["LOCAL_RANK"])
+    # BEGIN SOLUTION: return the line of the docstring, with this process's own rank, world size, local rank and backend, read at run time (no constants)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])
     return f"rank {rank} of {world_size}, local rank {local_rank}, backend {dist.get_backend()}"
     # END SOLUTION
 
 
-def sum_of_ranks(device: torch.device) -> int:
-    """Every rank contributes its own rank number; return the total, the same on every rank."""
-    # BEGIN SOLUTION: put this rank's number in a tensor on `device`, all_reduce it with SUM, return the result
-    mine = torch.tensor([dist.get_rank()], device=device)
+def sum_over_ranks(value: int, device: torch.device) -> int:
+    """Every rank calls this with its own `value`; return the sum of all ranks' values, as a
+    Python int, the same on every rank. Tensors that a collective touches live on `device`."""
+    # HINT 1: one collective both adds the ranks' tensors and leaves the result on every rank; it works in place
+    # HINT 2: t = torch.tensor([value], device=device); dist.all_reduce(t, op=dist.ReduceOp.SUM); return int(t.item())
+    # BEGIN SOLUTION: add up every rank's `value` with one collective, and return the total on every rank
+    mine = torch.tensor([value], device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.SUM)
     return int(mine.item())
     # END SOLUTION
 
 
-def check_introductions(checks: Checks, line: str) -> None:
-    """Every rank must have spoken and named its own rank and the world size."""
+# -- the checks --------------------------------------------------------------------------------
+
+def check_introduction(checks: Checks, line: str) -> None:
+    """This rank's line must name its own rank, the world size and its local rank."""
+    local_rank = os.environ["LOCAL_RANK"]
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    lines = [None] * world_size
-    dist.all_gather_object(lines, line)
-    for other, text in enumerate(lines):
-        checks.expect(
-            isinstance(text, str) and f"rank {other} of {world_size}" in text,
-            f"rank {other} introduced itself as {text!r}; expected it to contain 'rank {other} of "
-            f"{world_size}' - read dist.get_rank() and dist.get_world_size(), not constants",
-        )
-    checks.expect(f"local rank {os.environ['LOCAL_RANK']}" in line,
-                  f"{line!r} does not name local rank {os.environ['LOCAL_RANK']} - read os.environ['LOCAL_RANK']")
+    if not isinstance(line, str):
+        checks.fail(f"describe_me() returned a {type(line).__name__}, not a str")
+        return
+    checks.expect(f"rank {rank} of {world_size}" in line,
+                  f"introduced itself as {line!r}; expected it to contain 'rank {rank} of {world_size}' - "
+                  f"read dist.get_rank() and dist.get_world_size(), not constants")
+    checks.expect(f"local rank {local_rank}" in line,
+                  f"{line!r} does not name local rank {local_rank} - read os.environ['LOCAL_RANK']")
+    checks.expect(f"backend {dist.get_backend()}" in line,
+                  f"{line!r} does not name the backend {dist.get_backend()!r} - ask dist.get_backend()")
 
 
-def check_sum(checks: Checks, total: int) -> None:
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    expected = world_size * (world_size - 1) // 2
-    if total == rank:
-        hint = "it is just this rank's own number - did you call dist.all_reduce?"
-    elif total == world_size - 1:
-        hint = "that is the largest rank - did you reduce with MAX instead of SUM?"
-    else:
-        hint = "every rank should add its rank number with dist.all_reduce(tensor, op=SUM)"
-    checks.expect(total == expected, f"the sum over ranks is {total}, expected 0+1+...+{world_size - 1} = {expected}: {hint}")
+# Inputs chosen so that SUM differs from MAX, MIN, PRODUCT and the mean at every world size,
+# 2 included (where the ranks 0 and 1 alone give 0+1 = max(0, 1)).
+def values_for(case: int, rank: int) -> int:
+    return (10 * rank + 3, -7 * rank - 2, rank)[case]
+
+
+def diagnose_sum(total, values: list[int], mine: int) -> str:
+    """What `total` is, if not the sum, and the likely mistake."""
+    world_size = len(values)
+    product = 1
+    for v in values:
+        product *= v
+    fits = []
+    if total == mine:
+        fits.append("this rank's own value - did you call dist.all_reduce, and read the result from the "
+                    "same tensor you passed to it (it works in place; a copy or a new tensor keeps the old value)?")
+    if total == max(values):
+        fits.append("the largest value - did you reduce with MAX instead of SUM?")
+    if total == min(values):
+        fits.append("the smallest value - did you reduce with MIN instead of SUM?")
+    if total == product:
+        fits.append("the product - did you reduce with PRODUCT instead of SUM?")
+    if world_size > 1 and (total * world_size == sum(values) or total == sum(values) // world_size):
+        fits.append(f"the mean - did you divide by world_size ({world_size})? The sum is asked for")
+    if total == sum(range(world_size)) != sum(values):
+        fits.append("0+1+...+N-1 - you added the rank numbers, not the values passed in")
+    return " or ".join(fits) if fits else "add every rank's value with dist.all_reduce(t, op=dist.ReduceOp.SUM)"
+
+
+def check_sum(checks: Checks, device: torch.device) -> None:
+    """Three sets of values (positive, negative, the rank numbers) against Python's sum; exact (ints)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for case in range(3):
+        values = [values_for(case, r) for r in range(world_size)]
+        total = sum_over_ranks(values[rank], device)
+        if isinstance(total, torch.Tensor):
+            checks.fail(f"sum_over_ranks returned a tensor {total}: return a Python int (int(t.item()))")
+            return
+        expected = sum(values)
+        totals = [None] * world_size
+        dist.all_gather_object(totals, total)
+        if total != expected and totals[0] == expected:
+            hint = ("right on rank 0 only - dist.reduce leaves the sum on one rank; all_reduce leaves it on "
+                    "every rank")
+        else:
+            hint = diagnose_sum(total, values, values[rank])
+        if not checks.expect(total == expected, f"with values {values} on the ranks, sum_over_ranks gave "
+                                                f"{total}, expected {expected}: it is {hint}"):
+            return
 
 
 def main(me: Rank, checks: Checks) -> None:
     # run_lab has joined the group that torchrun set up (chapter 05 shows how) and passes `me`
     line = describe_me()
     print_ranked(line)  # rank 0 prints every rank's line, in rank order
-    check_introductions(checks, line)
-    total = sum_of_ranks(me.device)
+    check_introduction(checks, line)
+    total = sum_over_ranks(me.rank, me.device)
     if me.is_main:
         print(f"sum of ranks: {total}")
-    check_sum(checks, total)
+    check_sum(checks, me.device)
 
 
 if __name__ == "__main__":
