@@ -1,22 +1,31 @@
 """ringside: the small helper package that the course's chapters, labs and tests share.
 
-- runtime: join a process group (backend and device chosen for you), print from rank 0 or in
-  rank order, and exit cleanly (`finish`).
-- ranks:   run a function on N ranks from a notebook (`run_ranks`).
-- lab:     the labs' self-check (`run_lab`, `Checks`).
-- labgen:  write labs/ from solutions/.
-- data:    data sets that need no download.
-- compare: tensors compared with a stated tolerance, and a one-line reason when they differ.
+Each module says in its docstring which chapter explains what it does.
+
+- runtime:    join a process group (backend and device chosen for you), print from rank 0 or in
+              rank order, and exit cleanly (`finish`).                          chapters 00, 05
+- launch:     the one way the course starts processes: `run_ranks` (ranks from a notebook cell),
+              `fork_processes`, `torchrun_script`, `fork_script`, `torchrun_command`.   chapter 00
+- lab:        the labs' self-check (`run_lab`, `Checks`).                       every lab
+- compare:    tensors compared with a stated tolerance, and a one-line reason when they differ.
+- data:       data sets that need no download (scikit-learn's digits, a seeded regression).
+- ring:       the ring all-reduce's schedule, pictures, cost model and measured results. chapter 04
+- rendezvous: fresh rendezvous files, a simulated two-node job, listening sockets.  chapter 05
+- syncbn:     synchronized BatchNorm for the capstone's CPU runs.                chapters 07, 11
+
+Maintainers' tools (lab generator, notebook executor, benches, the namespace cluster) live apart,
+in the top-level folder tools/.
 """
 
 import os
+import sys
 
 # Ask NVML, not the CUDA driver, whether GPUs exist: the driver must not be initialized in a
 # process (a Jupyter kernel) that later forks ranks.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 from .lab import Checks, run_lab  # noqa: E402
-from .ranks import RankError, RanksTimeout, run_ranks  # noqa: E402
+from .launch import RankError, RanksTimeout, run_ranks, start_rank_starter  # noqa: E402
 from .runtime import (  # noqa: E402
     DEFAULT_TIMEOUT,
     Rank,
@@ -27,6 +36,9 @@ from .runtime import (  # noqa: E402
     print_ranked,
     require_torchrun,
 )
+
+if "ipykernel" in sys.modules:  # a notebook will run ranks soon: start their starter now (seconds)
+    start_rank_starter()
 
 __all__ = [
     "Checks", "run_lab", "RankError", "RanksTimeout", "run_ranks", "DEFAULT_TIMEOUT", "Rank",

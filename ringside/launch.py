@@ -1,22 +1,379 @@
-"""Starting a script under torchrun from Python (a notebook cell or a test), always with a timeout.
+"""Starting processes: the course's one launcher. Every entry point has a time limit.
 
-`!torchrun ...` in a notebook ignores a failing exit status, even under nbval, and has no time
-limit; `torchrun_script` has both: a failing or hanging lab fails the cell that ran it.
+    run_ranks(fn, world_size)          fn on N ranks joined in one gloo group, from a notebook cell
+    fork_processes(fn, n)              fn on N processes with no group (chapter 05: joining is the lesson)
+    torchrun_script(script, nproc)     a script under torchrun, from a cell; a failing job fails the cell
+    fork_script(script, nproc)         the same script on N ranks forked from a test (no torch import each)
+    torchrun_command(script, nproc)    the torchrun command line that all of these (and tools/cluster.py) use
+
+Why not `torch.multiprocessing.spawn` from a notebook? Spawn pickles the function by name and cannot
+find one defined in a notebook. Why not fork the kernel itself? On a machine with CUDA, a process
+forked after its parent ran any backward() cannot run backward() ("Unable to handle autograd's
+threading in combination with fork-based multiprocessing"), nor use CUDA once the parent did. So
+`run_ranks` sends the function *by value* (cloudpickle) to a rank starter: a fresh Python process that
+imported torch once, never runs autograd or touches CUDA, and forks the ranks on request in
+milliseconds. The ranks meet through a FileStore in a fresh temporary directory (no ports to
+collide), capture their output, and send it back with their return value; the kernel prints every
+rank's output in rank order, the same text on every run.
 """
 
 from __future__ import annotations
 
+import importlib
+import io
+import multiprocessing as mp
 import os
+import pickle
+import queue as queue_module
+import runpy
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # the course folder: chapters/, labs/, solutions/, ...
+
+try:  # pickles a function defined in a notebook by value; without it, ranks fork from this process
+    import cloudpickle
+except ImportError:  # pragma: no cover - it is in requirements.txt
+    cloudpickle = None
 
 
-def torchrun_command(script: str | Path, nproc: int = 4, *args: str, all_ranks: bool = False) -> list[str]:
-    """The torchrun command line for `script` on `nproc` local ranks, port chosen by torchrun."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+class RankError(RuntimeError):
+    """A rank raised an exception; the message holds its rank and traceback."""
+
+    def __init__(self, rank: int, error: str, output: str = ""):
+        self.rank, self.error, self.output = rank, error, output
+        super().__init__(f"rank {rank} raised an exception:\n{error}")
+
+
+class RanksTimeout(TimeoutError):
+    """Some ranks had not finished when the time ran out (often a deadlock)."""
+
+    def __init__(self, running: list[int], timeout: float, outputs: dict[int, str]):
+        self.running, self.outputs = running, outputs
+        names = ", ".join(str(r) for r in running)
+        super().__init__(
+            f"rank(s) {names} still running after {timeout:g} s and were killed: likely a "
+            f"deadlock (a recv, wait or collective that another rank never joined)"
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago: bind to port 0 and let the kernel choose one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# --- Forking ranks and collecting what they did (the one fork skeleton) ------------------------
+
+
+def _dumps(value: Any) -> bytes:
+    return (cloudpickle or pickle).dumps(value)
+
+
+def _rank_body(rank, n, fn, args, kwargs, backend, store_path, collective_timeout, quiet_fds, results, release):
+    """One forked process: (join the group,) run fn, send back (rank, status, value, output)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # ranks share the cores; one thread each avoids oversubscription
+    if quiet_fds:  # PyTorch's C++ warnings carry time stamps: keep them out of a notebook's output
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    output = io.StringIO()
+    status, value = "ok", None
+    try:
+        with redirect_stdout(output), redirect_stderr(output):
+            if backend is not None:
+                store = dist.FileStore(store_path, n)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=n,
+                                        timeout=timedelta(seconds=collective_timeout))
+            value = fn(rank, n, *args, **kwargs)
+    except BaseException as error:  # noqa: BLE001 - everything a rank raises goes back to the caller
+        status, value = "error", (traceback.format_exc() if backend is not None
+                                  else f"{type(error).__name__}: {error}")
+    try:
+        payload = pickle.dumps((rank, status, _dumps(value) if status == "ok" else value, output.getvalue()))
+    except Exception:  # the return value could not be pickled
+        payload = pickle.dumps((rank, "error", traceback.format_exc(), output.getvalue()))
+    results.put(payload)
+    results.close()
+    results.join_thread()  # the queue's feeder thread must write the payload before os._exit
+    # Stay in the group until every rank is done: a rank that left early would make a peer still
+    # waiting on it fail with "connection closed" instead of showing the real problem.
+    if release is not None:
+        release.wait()
+    # Leave without the interpreter's shutdown (see runtime.finish); a rank whose collective failed
+    # may hold a broken group, so skip destroy_process_group there.
+    if status == "ok" and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    os._exit(0)
+
+
+def _fork_and_collect(fn, n, args, kwargs, backend, timeout, collective_timeout, quiet_fds=False,
+                      hold=True, stop_on_error=True) -> dict[int, tuple[str, Any, str]]:
+    """Fork n processes running fn; return rank -> (status, value bytes or error text, output)
+    for every process that reported within `timeout` seconds. The rest are killed."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    release = ctx.Event() if hold else None
+    tmpdir = tempfile.mkdtemp(prefix="ringside-")
+    procs = [ctx.Process(target=_rank_body, daemon=True,
+                         args=(r, n, fn, args, kwargs, backend, os.path.join(tmpdir, "store"),
+                               collective_timeout, quiet_fds, results, release))
+             for r in range(n)]
+    reports: dict[int, tuple[str, Any, str]] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(reports) < n and time.monotonic() < deadline:
+            try:
+                rank, status, value, out = pickle.loads(results.get(timeout=0.05))
+                reports[rank] = (status, value, out)
+                if status == "error" and stop_on_error:
+                    # One failed rank often leaves the others waiting for it: give them a moment to
+                    # fail too (their own collective timeout), then stop.
+                    deadline = min(deadline, time.monotonic() + 2.0)
+                continue
+            except queue_module.Empty:
+                pass
+            for rank, p in enumerate(procs):
+                if rank not in reports and not p.is_alive() and p.exitcode not in (0, None):
+                    reports[rank] = ("error", f"the process died with exit code {p.exitcode}", "")
+    finally:
+        if release is not None:
+            release.set()  # ranks that reported now exit; ranks still running are killed
+        grace = time.monotonic() + 3
+        for p in procs:
+            p.join(timeout=max(0.0, grace - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        results.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return reports
+
+
+# --- The rank starter: a fresh process that forks the ranks ------------------------------------
+
+
+class _Starter:
+    """The kernel's handle on its rank starter process (started once, reused by every call)."""
+
+    current: "_Starter | None" = None
+
+    def __init__(self):
+        request_r, request_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        env = dict(os.environ, RINGSIDE_STARTER_FDS=f"{request_r},{reply_w}", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from ringside.launch import _serve; _serve()"],
+            pass_fds=(request_r, reply_w), env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: killing it kills its ranks too
+        )
+        os.close(request_r)
+        os.close(reply_w)
+        self.requests = Connection(request_w, readable=False)
+        self.replies = Connection(reply_r, writable=False)
+
+    @classmethod
+    def get(cls) -> "_Starter":
+        if cls.current is None or cls.current.proc.poll() is not None:
+            cls.current = cls()
+        return cls.current
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self.requests.close()
+        self.replies.close()
+        if _Starter.current is self:
+            _Starter.current = None
+
+
+def start_rank_starter() -> None:
+    """Start the rank starter now (it takes a few seconds to import torch), so that the first
+    run_ranks call does not wait for it. `import ringside` does this inside a Jupyter kernel."""
+    if cloudpickle is not None:
+        _Starter.get()
+
+
+def _serve() -> None:
+    """Body of the rank starter: read jobs, fork their ranks, send back the reports."""
+    request_fd, reply_fd = map(int, os.environ.pop("RINGSIDE_STARTER_FDS").split(","))
+    requests, replies = Connection(request_fd, writable=False), Connection(reply_fd, readable=False)
+    import torch
+
+    torch.set_num_threads(1)
+    # Imported once here and inherited by every rank: DDP's first use imports torch._dynamo
+    # (seconds of CPU per rank otherwise), and the course's data sets come from scikit-learn.
+    for name in ("torch.distributed", "torch._dynamo", "sklearn.datasets"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    while True:
+        try:
+            blob = requests.recv_bytes()
+        except (EOFError, OSError):  # the kernel is gone: so are we, and our ranks
+            os.killpg(0, signal.SIGKILL)
+        try:
+            path, job = pickle.loads(blob)
+            sys.path[:] = path + [p for p in sys.path if p not in path]
+            if isinstance(job, bytes):
+                job = pickle.loads(job)  # the function, unpickled only once sys.path is the caller's
+            reply = ("reports", _fork_and_collect(**job))
+        except Exception:
+            reply = ("error", traceback.format_exc())
+        replies.send_bytes(pickle.dumps(reply))
+
+
+def _print_outputs(outputs: dict[int, str]) -> None:
+    for rank in sorted(outputs):
+        for line in outputs[rank].splitlines():
+            print(f"[rank {rank}] {line}")
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 4,
+    *args: Any,
+    timeout: float = 60,
+    backend: str = "gloo",
+    show_output: bool = True,
+    collective_timeout: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run fn(rank, world_size, *args, **kwargs) on `world_size` ranks joined in one group.
+
+    Returns the ranks' return values, in rank order. What the ranks print is shown afterwards,
+    rank by rank, each line prefixed with "[rank r]" (show_output=False keeps it quiet).
+    Raises RankError (with the rank and its traceback) if any rank raised, and RanksTimeout,
+    after killing every rank, if some had not finished within `timeout` seconds.
+    `collective_timeout` bounds each collective inside the ranks; by default it is longer than
+    `timeout`, so that a deadlock is always reported as RanksTimeout, never as a race between the
+    two limits. Create CUDA tensors only inside fn: the ranks are fresh, the kernel's state is not."""
+    job = dict(fn=fn, n=world_size, args=args, kwargs=kwargs, backend=backend, timeout=timeout,
+               collective_timeout=collective_timeout or timeout + 30)
+    reports = _run_job(job, timeout)
+    outputs = {rank: out for rank, (_, _, out) in reports.items()}
+    if show_output:
+        _print_outputs(outputs)
+    failed = [rank for rank in reports if reports[rank][0] == "error"]  # in order of arrival
+    if failed:  # the first failure is the cause; ranks still waiting for it are its victims
+        status, error, out = reports[failed[0]]
+        raise RankError(failed[0], error, out)
+    missing = [r for r in range(world_size) if r not in reports]
+    if missing:
+        raise RanksTimeout(missing, timeout, outputs)
+    return [pickle.loads(reports[r][1]) for r in range(world_size)]
+
+
+def _run_job(job: dict, timeout: float) -> dict[int, tuple[str, Any, str]]:
+    """Run a fork job in the rank starter (or, without cloudpickle, from this very process)."""
+    if cloudpickle is None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError("CUDA is already initialized in this process, and forked ranks cannot use "
+                               "it: install cloudpickle (pip install cloudpickle) or restart the kernel.")
+        importlib.import_module("torch._dynamo")
+        return _fork_and_collect(**job)
+    starter = _Starter.get()
+    try:
+        starter.requests.send_bytes(pickle.dumps(([p for p in sys.path if isinstance(p, str)],
+                                                  cloudpickle.dumps(job))))
+        # The starter enforces `timeout` itself; this backstop also covers its first start.
+        if not starter.replies.poll(timeout + 120):
+            starter.stop()
+            raise RanksTimeout(list(range(job["n"])), timeout, {})
+        kind, reply = pickle.loads(starter.replies.recv_bytes())
+    except BaseException:  # interrupted by the learner, or the starter died: start afresh next time
+        if not isinstance(sys.exc_info()[1], RanksTimeout):
+            starter.stop()
+        raise
+    if kind == "error":
+        raise RuntimeError(f"the rank starter could not run this job:\n{reply}")
+    return reply
+
+
+# --- Processes with no group: chapter 05 ---------------------------------------------------------
+
+
+class Outcome(NamedTuple):
+    """What one forked process did: status is "ok", "error" or "killed"."""
+
+    rank: int
+    status: str
+    detail: str  # the return value (ok), "ExceptionType: message" (error), or why it was killed
+
+    def says(self, *phrases: str) -> str:
+        """A line that does not change between runs: the status and the first phrase found."""
+        if self.status == "ok":
+            return f"ok: {self.detail}"
+        if self.status == "killed":
+            return self.detail
+        kind = self.detail.split(":", 1)[0]
+        found = next((p for p in phrases if p.lower() in self.detail.lower()), None)
+        return f"{kind}: ...{found}..." if found else f"{kind} (unexpected message: {self.detail[:200]})"
+
+
+def fork_processes(fn: Callable[..., Any], n: int, *args: Any, timeout: float = 10) -> list[Outcome]:
+    """Run fn(rank, n, *args) in n forked processes; each either returns, raises, or is killed
+    after `timeout` seconds. Unlike run_ranks, no group is formed (joining one is the lesson),
+    every process is independent, and their C++ warnings are silenced."""
+    job = dict(fn=fn, n=n, args=args, kwargs={}, backend=None, timeout=timeout, collective_timeout=timeout,
+               quiet_fds=True, hold=False, stop_on_error=False)
+    reports = _run_job(job, timeout) if "ipykernel" in sys.modules else _fork_and_collect(**job)
+    outcomes = []
+    for rank in range(n):
+        if rank not in reports:
+            outcomes.append(Outcome(rank, "killed", f"still waiting after {timeout:g} s: killed"))
+            continue
+        status, value, _ = reports[rank]
+        outcomes.append(Outcome(rank, status, str(pickle.loads(value)) if status == "ok" else value))
+    return outcomes
+
+
+# --- Scripts under torchrun -----------------------------------------------------------------------
+
+
+def torchrun_command(script: str | Path, nproc: int = 4, *args: str, all_ranks: bool = False,
+                     nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+                     run_id: str = "none", master: str | None = None) -> list[str]:
+    """The torchrun command line for `script` on `nproc` ranks per node.
+
+    One node: --standalone (torchrun picks a free port). Several nodes: a c10d rendezvous at
+    `rdzv_endpoint` ("host:port"), or a static one at `master` ("host:port") with --node-rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and rdzv_endpoint is None and master is None:
+        cmd.append("--standalone")
+    elif rdzv_endpoint is not None:
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}"]
+    else:
+        host, port = master.rsplit(":", 1)
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={host}", f"--master-port={port}"]
     if not all_ranks:  # lines of several ranks interleave differently on every run
         cmd.append("--local-ranks-filter=0")
     return cmd + [str(script), *map(str, args)]
@@ -41,8 +398,9 @@ def torchrun_script(
 ) -> subprocess.CompletedProcess:
     """Run `script` under torchrun and print what rank 0 printed.
 
-    check=True raises CalledProcessError when the job fails (its stderr is printed first);
-    a job still running after `timeout` seconds is killed and raises TimeoutExpired."""
+    `!torchrun ...` in a notebook ignores a failing exit status, even under nbval, and has no time
+    limit; this has both. check=True raises CalledProcessError when the job fails (its stderr is
+    printed first); a job still running after `timeout` seconds is killed and raises TimeoutExpired."""
     result = subprocess.run(
         torchrun_command(script, nproc, *args, all_ranks=all_ranks),
         cwd=ROOT, env=quiet_env(env), capture_output=True, text=True, timeout=timeout,
@@ -53,3 +411,85 @@ def torchrun_script(
         print(result.stderr[-4000:], file=sys.stderr)
         result.check_returncode()
     return result
+
+
+# --- The same script on forked ranks (the tests' fast path) --------------------------------------
+
+
+def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """In a forked rank: fresh stdout/stderr files, torchrun's variables, run the script as __main__."""
+    code = 1
+    try:
+        for fd, path in ((1, out), (2, err)):
+            handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(handle, fd)
+            os.close(handle)
+        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
+        os.environ.update(env)
+        sys.argv = [str(script), *args]
+        sys.path[0] = str(script.parent)
+        runpy.run_path(str(script), run_name="__main__")
+        code = 0  # a script that returns instead of calling finish()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def fork_script(script: str | Path, nproc: int, *args: str, timeout: float = 120,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Like `torchrun --standalone --nproc-per-node nproc script args`, by forking this process:
+    every rank's output (rank 0 first), and status 1 if any rank failed (as torchrun does).
+
+    A torchrun launch costs one `import torch` per rank (about 2 s of CPU each); forked ranks start
+    in milliseconds with the same variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), so the
+    script cannot tell the difference. The caller must not have used OpenMP threads, CUDA, autograd
+    or a process group before. Raises subprocess.TimeoutExpired if ranks still run after `timeout`."""
+    port, workdir = free_port(), tempfile.mkdtemp(prefix="ringside-fork-")
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_WORLD_SIZE": str(nproc),
+              "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+              "TORCHELASTIC_RUN_ID": "fork", "OMP_NUM_THREADS": "1", **(env or {})}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(nproc):
+        rank_env = dict(shared, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+        pid = os.fork()
+        if pid == 0:
+            _script_rank(Path(script), list(map(str, args)), rank_env, f"{workdir}/{rank}.out", f"{workdir}/{rank}.err")
+        pids.append(pid)
+    codes = _wait_pids(pids, timeout)
+    read = lambda path: Path(path).read_text(errors="replace") if Path(path).exists() else ""  # noqa: E731
+    stdout = "".join(read(f"{workdir}/{r}.out") for r in range(nproc))
+    stderr = "".join(read(f"{workdir}/{r}.err") for r in range(nproc))
+    shutil.rmtree(workdir, ignore_errors=True)
+    if None in codes:
+        running = [r for r, c in enumerate(codes) if c is None]
+        raise subprocess.TimeoutExpired([str(script)], timeout, output=f"ranks {running} still running\n{stdout}")
+    return subprocess.CompletedProcess([str(script), *args], 0 if all(c == 0 for c in codes) else 1, stdout, stderr)
+
+
+def _wait_pids(pids: list[int], timeout: float) -> list[int | None]:
+    """Exit codes in rank order; None for a rank killed at the deadline."""
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(codes) < len(pids) and time.monotonic() < deadline:
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    for pid in pids:
+        if pid not in codes:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return [codes.get(pid) for pid in pids]

@@ -1,15 +1,13 @@
-"""How processes find each other (chapter 05): free ports, fresh rendezvous files, processes forked
-with a time limit, a simulated multi-node torchrun job, and what a port is listening on.
+"""How processes find each other (chapter 05): fresh rendezvous files, a simulated multi-node
+torchrun job, what a port is listening on, and a worker for mp.spawn. Processes are started by
+ringside.launch (fork_processes, free_port and torchrun_command are imported from there).
 
 Everything here is bounded: a process that does not finish in time is killed and reported as such.
 """
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
 import os
-import queue as queue_module
 import re
 import socket
 import subprocess
@@ -19,85 +17,15 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
 
-from .launch import ROOT, quiet_env
+from .launch import ROOT, Outcome, fork_processes, free_port, quiet_env, torchrun_command  # noqa: F401
 
 WHOAMI = ROOT / "assets" / "05_init_methods" / "whoami.py"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago: bind to port 0 and let the kernel choose one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def fresh_file() -> str:
     """A path for a file:// rendezvous that does not exist yet (a used one would break the next run)."""
     return os.path.join(tempfile.mkdtemp(prefix="ringside-rdzv-"), "rendezvous")
-
-
-class Outcome(NamedTuple):
-    """What one forked process did: status is "ok", "error" or "killed"."""
-
-    rank: int
-    status: str
-    detail: str  # the return value (ok), "ExceptionType: message" (error), or why it was killed
-
-    def says(self, *phrases: str) -> str:
-        """A line that does not change between runs: the status and the first phrase found."""
-        if self.status == "ok":
-            return f"ok: {self.detail}"
-        if self.status == "killed":
-            return self.detail
-        kind = self.detail.split(":", 1)[0]
-        found = next((p for p in phrases if p.lower() in self.detail.lower()), None)
-        return f"{kind}: ...{found}..." if found else f"{kind} (unexpected message: {self.detail[:200]})"
-
-
-def _child(fn, rank, n, args, results):
-    # Silence the child: PyTorch's C++ warnings (with time stamps) would otherwise reach the
-    # notebook through file descriptor 2. What the child has to say goes back on the queue.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    sys.stdout = sys.stderr = io.StringIO()
-    try:
-        value = fn(rank, n, *args)
-        results.put((rank, "ok", str(value)))
-    except BaseException as error:  # noqa: BLE001 - every failure goes back to the parent
-        results.put((rank, "error", f"{type(error).__name__}: {error}"))
-    results.close()
-    results.join_thread()
-    os._exit(0)  # no interpreter shutdown in the child (see runtime.finish)
-
-
-def fork_processes(fn: Callable[..., Any], n: int, *args: Any, timeout: float = 10) -> list[Outcome]:
-    """Run fn(rank, n, *args) in n forked processes; each either returns, raises, or is killed
-    after `timeout` seconds. Unlike run_ranks, no group is formed: joining one is the lesson."""
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, n, args, results), daemon=True) for r in range(n)]
-    for p in procs:
-        p.start()
-    outcomes: dict[int, Outcome] = {}
-    deadline = time.monotonic() + timeout
-    while len(outcomes) < n and time.monotonic() < deadline:
-        try:
-            rank, status, detail = results.get(timeout=0.05)
-            outcomes[rank] = Outcome(rank, status, detail)
-        except queue_module.Empty:
-            pass
-    for rank, p in enumerate(procs):
-        p.join(timeout=0.5 if rank in outcomes else 0)
-        if p.is_alive():
-            p.kill()
-        p.join(timeout=5)
-        if rank not in outcomes:
-            outcomes[rank] = Outcome(rank, "killed", f"still waiting after {timeout:g} s: killed")
-    results.close()
-    return [outcomes[r] for r in range(n)]
 
 
 def listening_addresses(port: int) -> list[str] | None:
@@ -129,14 +57,6 @@ def loopback_listener() -> socket.socket:
     return s
 
 
-def node_command(script: Path, nnodes: int, node_rank: int, nproc: int, endpoint: str, run_id: str,
-                 *args: str) -> list[str]:
-    """One "node" of a multi-node job: torchrun with a c10d rendezvous at `endpoint`."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}", str(script), *args]
-
-
 def simulate_nodes(script: Path = WHOAMI, nnodes: int = 2, nproc: int = 2, *args: str,
                    timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Start `nnodes` torchrun processes on this machine as if each were a node; all meet at a
@@ -144,7 +64,8 @@ def simulate_nodes(script: Path = WHOAMI, nnodes: int = 2, nproc: int = 2, *args
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = uuid.uuid4().hex[:8]
     env = quiet_env()
-    procs = [subprocess.Popen(node_command(script, nnodes, node, nproc, endpoint, run_id, *args),
+    procs = [subprocess.Popen(torchrun_command(script, nproc, *args, all_ranks=True, nnodes=nnodes, node_rank=node,
+                                               rdzv_endpoint=endpoint, run_id=run_id),
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in range(nnodes)]
     deadline = time.monotonic() + timeout

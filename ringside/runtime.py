@@ -105,14 +105,6 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> Rank:
     return Rank(rank, world_size, local_rank, dist.get_backend(), device)
 
 
-def current() -> Rank:
-    """Describe this process from an existing process group."""
-    backend = dist.get_backend()
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return Rank(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
-
-
 def flush() -> None:
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-# Tests fork ranks from this process (forkrun.py): it must not start OpenMP threads first.
+# Tests fork ranks from this process (launch.fork_script): it must not start OpenMP threads first.
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 import sklearn.datasets  # noqa: E402,F401 - imported once here, inherited by every forked rank
 import torch._dynamo  # noqa: E402,F401 - DDP imports it on first use: seconds per rank otherwise
 
-ROOT = Path(__file__).resolve().parent.parent
+from ringside.launch import ROOT  # noqa: E402
+
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "cases")]
 
 # One 4-rank job takes about 6 s here; anything past this is a hang, not slowness.
@@ -28,15 +29,14 @@ def launch(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT
            env: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` ranks; every rank's output, bounded by a timeout.
 
-    By default the ranks are forked from this process (see forkrun.py: the same environment as
-    torchrun gives, without importing torch again per rank); torchrun=True uses the real torchrun."""
-    from forkrun import fork_run
-
-    from ringside.launch import quiet_env, torchrun_command
+    By default the ranks are forked from this process (ringside.launch.fork_script: the same
+    environment as torchrun gives, without importing torch again per rank); torchrun=True uses the
+    real torchrun."""
+    from ringside.launch import fork_script, quiet_env, torchrun_command
 
     try:
         if not torchrun:
-            return fork_run(script, nproc, *args, timeout=timeout, env=env)
+            return fork_script(script, nproc, *args, timeout=timeout, env=env)
         return subprocess.run(torchrun_command(script, nproc, *args, all_ranks=True), cwd=ROOT,
                               env=quiet_env(env), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as expired:

@@ -23,7 +23,7 @@ def lab(tmp_path, body: str, run: str):
 
 def test_a_crash_on_one_rank_is_reported_with_its_place(tmp_path):
     path = lab(tmp_path, """
-        def main(checks):
+        def main(me, checks):
             if dist.get_rank() == 1:
                 raise ValueError("the learner's bug")
             checks.expect(True, "never shown")
@@ -37,7 +37,7 @@ def test_a_crash_on_one_rank_is_reported_with_its_place(tmp_path):
 
 def test_a_deadlock_becomes_a_likely_deadlock_verdict(tmp_path):
     path = lab(tmp_path, """
-        def main(checks):
+        def main(me, checks):
             t = torch.zeros(1)
             dist.recv(t, src=1 - dist.get_rank())  # both ranks receive first
         """, 'run_lab(main, title="probe", timeout=timedelta(seconds=3))')
@@ -47,7 +47,7 @@ def test_a_deadlock_becomes_a_likely_deadlock_verdict(tmp_path):
 
 
 def test_a_wrong_world_size_is_refused(tmp_path):
-    path = lab(tmp_path, "def main(checks):\n    checks.expect(True, '')\n",
+    path = lab(tmp_path, "def main(me, checks):\n    checks.expect(True, '')\n",
                'run_lab(main, title="probe", world_sizes=[3, 4])')
     result = launch(path, 2)
     assert result.returncode != 0  # the ranks exit 2; torchrun itself reports any failure as 1
@@ -55,7 +55,7 @@ def test_a_wrong_world_size_is_refused(tmp_path):
 
 
 def test_a_lab_that_checks_nothing_fails(tmp_path):
-    path = lab(tmp_path, "def main(checks):\n    pass\n", 'run_lab(main, title="probe")')
+    path = lab(tmp_path, "def main(me, checks):\n    pass\n", 'run_lab(main, title="probe")')
     result = launch(path, 2)
     assert result.returncode == 1
     assert "rank 0: FAIL - no check ran" in result.stdout
@@ -63,7 +63,7 @@ def test_a_lab_that_checks_nothing_fails(tmp_path):
 
 @pytest.mark.parametrize("nproc", [2])
 def test_all_pass_exits_0(tmp_path, nproc):
-    path = lab(tmp_path, "def main(checks):\n    checks.expect(dist.get_world_size() == 2, 'x')\n",
+    path = lab(tmp_path, "def main(me, checks):\n    checks.expect(me.world_size == 2 == dist.get_world_size(), 'x')\n",
                'run_lab(main, title="probe")')
     result = launch(path, nproc)
     assert result.returncode == 0

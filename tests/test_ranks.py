@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,8 +59,46 @@ def test_a_deadlock_times_out_and_names_the_ranks():
     assert time.monotonic() - start < 10
 
 
-def test_refuses_when_cuda_was_initialized_in_the_kernel(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match="CUDA is already initialized"):
-        run_ranks(sum_ranks, 2)
+def parent_of_rank(rank, world_size):
+    x = torch.ones(3, requires_grad=True)
+    (x * x).sum().backward()  # a rank runs autograd too
+    return os.getppid()
+
+
+def test_ranks_never_fork_from_a_process_that_ran_autograd():
+    """On a machine with CUDA, a process forked after its parent ran backward() cannot run backward()
+    itself (this cannot be reproduced without CUDA). So the kernel never forks: a fresh rank starter,
+    which never runs autograd, does - also after the kernel has trained something."""
+    w = torch.ones(2, requires_grad=True)
+    (w * 3).sum().backward()  # the "kernel" runs autograd first
+    parents = run_ranks(parent_of_rank, 2, show_output=False)
+    assert len(set(parents)) == 1 and parents[0] != os.getpid()
+    starter = Path(f"/proc/{parents[0]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    assert "from ringside.launch import _serve" in starter  # started by exec, not forked from us
+    assert run_ranks(parent_of_rank, 3, show_output=False) == [parents[0]] * 3  # one starter, reused
+
+
+class Counter:  # a class defined where the ranks cannot import it by name (like a notebook's)
+    def __init__(self, n):
+        self.n = n
+
+
+def test_functions_and_classes_travel_by_value():
+    offset = 10  # a closure over the caller's local variable, as a notebook cell's function has
+
+    def shifted(rank, world_size):
+        return Counter(rank + offset)
+
+    assert [c.n for c in run_ranks(shifted, 2, show_output=False)] == [10, 11]
+
+
+def test_a_cell_interrupted_leaves_no_rank_behind():
+    """Ctrl-C in the kernel (here: a timeout of the backstop) stops the starter and its ranks;
+    the next call starts a new one."""
+    from ringside.launch import _Starter
+
+    run_ranks(sum_ranks, 2, show_output=False)
+    first = _Starter.current.proc.pid
+    _Starter.current.stop()
+    assert run_ranks(sum_ranks, 2, show_output=False) == [1.0, 1.0]
+    assert _Starter.current.proc.pid != first

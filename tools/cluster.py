@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ringside import ring
-from ringside.launch import ROOT
+from ringside.launch import ROOT, torchrun_command
 
 PREFIX = "rs-"  # every namespace this module makes starts with it, and `down` removes only those
 SWITCH = "rs-sw"
@@ -142,9 +142,8 @@ def run_job(script: str | Path, hosts: int, *args: str, nproc_per_host: int = 1,
     procs = []
     try:
         for i in range(hosts):
-            cmd = ["ip", "netns", "exec", host(i), sys.executable, "-m", "torch.distributed.run",
-                   f"--nnodes={hosts}", f"--node-rank={i}", f"--nproc-per-node={nproc_per_host}",
-                   f"--master-addr={address(0)}", f"--master-port={PORT}", str(script), *map(str, args)]
+            cmd = ["ip", "netns", "exec", host(i), *torchrun_command(
+                script, nproc_per_host, *args, all_ranks=True, nnodes=hosts, node_rank=i, master=f"{address(0)}:{PORT}")]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=base_env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, start_new_session=True))
         deadline = time.monotonic() + timeout
