@@ -2,11 +2,36 @@
 
 from mutation import Mutation
 
+GRAD_X = ("per_channel(sum_dy / count, grad_out) - x_hat * per_channel(sum_dy_xhat / count, grad_out)")
+
 MUTATIONS = [
     Mutation("biased running variance", "momentum * var * count / (count - 1))", "momentum * var)",
              "it matches the biased variance", 2),
+    Mutation("running buffers rebound, not updated in place",
+             "            running_mean.mul_(1 - momentum).add_(momentum * mean)\n"
+             "            running_var.mul_(1 - momentum).add_(momentum * var * count / (count - 1))\n",
+             "            running_mean = (1 - momentum) * running_mean + momentum * mean\n"
+             "            running_var = (1 - momentum) * running_var + momentum * var * count / (count - 1)\n",
+             "only rebinds a local name", 2),
+    Mutation("momentum the wrong way round", "running_mean.mul_(1 - momentum).add_(momentum * mean)",
+             "running_mean.mul_(momentum).add_((1 - momentum) * mean)", "momentum is the weight of the new value", 2),
+    Mutation("normalized with the unbiased variance", "invstd = torch.rsqrt(var + eps)",
+             "invstd = torch.rsqrt(var * count / (count - 1) + eps)", "normalized with the unbiased variance", 2),
+    Mutation("eps outside the square root", "invstd = torch.rsqrt(var + eps)", "invstd = 1 / (var.sqrt() + eps)",
+             "eps was added after the square root", 2),
     Mutation("no all_reduce in backward", "        dist.all_reduce(local_sums, op=dist.ReduceOp.SUM)\n", "",
              "is there an all_reduce missing in backward?", 4),
+    Mutation("AVG instead of SUM in backward", "dist.all_reduce(local_sums, op=dist.ReduceOp.SUM)",
+             "dist.all_reduce(local_sums, op=dist.ReduceOp.AVG)", "the sums were averaged over the ranks", 3),
+    Mutation("backward divides by this rank's count", GRAD_X,
+             GRAD_X.replace("/ count", "/ (grad_out.numel() // grad_out.shape[1])"),
+             "divided by this rank's count", 3),
+    Mutation("backward without the variance term", GRAD_X, "per_channel(sum_dy / count, grad_out)",
+             "the term of the variance is missing", 2),
+    Mutation("eps left out", "invstd = torch.rsqrt(var + eps)", "invstd = torch.rsqrt(var)",
+             "eps was left out", 2),
+    Mutation("backward without weight", "grad_x = per_channel(weight * invstd, grad_out)",
+             "grad_x = per_channel(invstd, grad_out)", "the weight factor is missing", 2),
     Mutation("mean of means",
              "torch.stack([torch.full_like(local_sum, x.numel() // x.shape[1]), local_sum, (x * x).sum(dims)])",
              "torch.stack([torch.ones_like(local_sum), x.mean(dims), (x * x).mean(dims)])",
@@ -15,4 +40,7 @@ MUTATIONS = [
              "are the statistics all_reduced?", 2),
     Mutation("all-reduced weight gradient", "grad_weight, grad_bias = local_sums[1].clone(), local_sums[0].clone()\n",
              "grad_weight, grad_bias = local_sums[1], local_sums[0]\n", "4x too large after summing over ranks", 4),
+    Mutation("weight and bias gradients swapped", "grad_weight, grad_bias = local_sums[1].clone(), local_sums[0].clone()\n",
+             "grad_weight, grad_bias = local_sums[0].clone(), local_sums[1].clone()\n",
+             "grad_weight and grad_bias are swapped", 2),
 ]
