@@ -58,7 +58,8 @@ def settings_from_args(argv: list[str], environ: Mapping[str, str] = os.environ)
     """
     args = parse_args(argv)
     method = args.init_method
-    # TODO: check the form of the init method (tcp://HOST:PORT, file:///absolute/path, env:// with MASTER_ADDR and MASTER_PORT set), take rank and world size from argv or else RANK and WORLD_SIZE, check their range, and raise BadSettings saying what to fix
+    # (stuck? `make hint CH=05` prints hint 1 of 2; run it again for the next)
+    # TODO: return the Settings that argv (first) and `environ` (for what argv leaves out) describe, or raise BadSettings with a message that says what to fix, in every case the docstring lists
     raise NotImplementedError("the TODO above")
 
 
@@ -66,7 +67,8 @@ def init_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -> 
     """Join the default process group (gloo) as the settings say, and return them.
     A group that cannot form must fail within settings.timeout_s seconds, never hang."""
     settings = settings_from_args(argv, environ)
-    # TODO: call dist.init_process_group("gloo", ...) with the init method, rank, world size and a timeout of settings.timeout_s seconds
+    # (stuck? `make hint CH=05` prints hint 1 of 2; run it again for the next)
+    # TODO: join the default group with the gloo backend exactly as `settings` say, so that a group that cannot form fails within settings.timeout_s seconds
     raise NotImplementedError("the TODO above")
     return settings
 
@@ -104,24 +106,60 @@ def check_bad_settings(checks: Checks) -> None:
             checks.fail(f"{what}: raised {type(error).__name__}({error}) - raise BadSettings with a message "
                         f"that says what to fix")
         else:
-            checks.fail(f"{what} was accepted as {settings} - settings_from_args must raise BadSettings")
+            # env:// cases pass an environment without a variable that this torchrun process does have
+            elsewhere = [k for k in ("MASTER_ADDR", "MASTER_PORT") if "--init-method" not in argv and k not in environ]
+            also = (f" (is {' and '.join(elsewhere)} read from the `environ` argument, not os.environ?)"
+                    if elsewhere else "")
+            checks.fail(f"{what} was accepted as {settings} - settings_from_args must raise BadSettings{also}")
 
 
-def check_good_settings(checks: Checks) -> None:
-    """Where rank and world size come from: torchrun's RANK (not LOCAL_RANK), and argv first."""
-    torchrun_env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "5", "LOCAL_RANK": "1",
-                    "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
-    got = settings_from_args([], torchrun_env)
-    checks.expect((got.rank, got.world_size) == (5, 8),
-                  f"env:// with RANK=5, LOCAL_RANK=1, WORLD_SIZE=8 gave rank {got.rank} of {got.world_size}: "
-                  f"the global rank is RANK; LOCAL_RANK only numbers the processes of one node (it picks the GPU)")
-    got = settings_from_args(["--init-method", "tcp://127.0.0.1:29500", "--rank", "2", "--world-size", "4"],
-                             {"RANK": "0", "WORLD_SIZE": "1"})
-    checks.expect((got.rank, got.world_size) == (2, 4),
-                  f"--rank 2 --world-size 4 with RANK=0, WORLD_SIZE=1 set gave rank {got.rank} of {got.world_size}: "
-                  f"the command line must win over the environment")
-    got = settings_from_args(["--init-method", f"file://{fresh_file()}", "--rank", "0", "--world-size", "1"], {})
-    checks.expect(got.init_method.startswith("file:///"), f"a valid file:// setting came back as {got}")
+def attempt(argv: list[str], environ: dict[str, str]) -> Settings | str:
+    """The learner's settings_from_args on these inputs: the Settings, or what it raised."""
+    try:
+        return settings_from_args(argv, environ)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # a mistake in the learner's code becomes a diagnosis, not a crash
+        return f"{type(error).__name__}: {error}"
+
+
+def check_good_settings(checks: Checks) -> bool:
+    """Where rank and world size come from: the `environ` given (not os.environ), torchrun's RANK
+    (not LOCAL_RANK), argv first, and rank 0 is a rank like any other. False if a case raised."""
+    here = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    # Node 1 of 2, 8 processes per node: RANK 13 = 1 x 8 + LOCAL_RANK 5 (no rank of this run has them).
+    torchrun_env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "13", "LOCAL_RANK": "5",
+                    "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    tcp = ["--init-method", "tcp://127.0.0.1:29500"]
+    cases = [  # (what, argv, environ, expected (rank, world size), the likely mistakes if not)
+        ("env:// with RANK=13, LOCAL_RANK=5, WORLD_SIZE=16", [], torchrun_env, (13, 16), {
+            5: "the global rank is RANK; LOCAL_RANK only numbers the processes of one node (it picks the GPU)",
+            here[0]: "that is this process's own torchrun rank - read the `environ` argument, not os.environ",
+        }),
+        ("--rank 2 --world-size 4 with RANK=0, WORLD_SIZE=1 set", [*tcp, "--rank", "2", "--world-size", "4"],
+         {"RANK": "0", "WORLD_SIZE": "1"}, (2, 4), {0: "the command line must win over the environment"}),
+        ("--rank 0 --world-size 4 with RANK=3, WORLD_SIZE=4 set", [*tcp, "--rank", "0", "--world-size", "4"],
+         {"RANK": "3", "WORLD_SIZE": "4"}, (0, 4), {
+            3: "--rank 0 was treated as missing - `args.rank or ...` is false for 0; test `args.rank is not None`"}),
+        ("--rank 0 --world-size 2 and no environment", [*tcp, "--rank", "0", "--world-size", "2"], {}, (0, 2), {}),
+    ]
+    for what, argv, environ, expected, causes in cases:
+        got = attempt(argv, environ)
+        if isinstance(got, str):
+            hint = ("--rank 0 was treated as missing - `args.rank or ...` is false for 0; test `args.rank is not None`"
+                    if "--rank 0" in what else "these settings are valid: raise only for the cases in the docstring")
+            checks.fail(f"{what} raised {got}: {hint}")
+            return False
+        found = (got.rank, got.world_size)
+        hint = causes.get(got.rank, "take them from --rank/--world-size, else from RANK/WORLD_SIZE in `environ`")
+        if got.rank == expected[0] and got.world_size == here[1] != expected[1]:
+            hint = "the world size is this process's own WORLD_SIZE - read the `environ` argument, not os.environ"
+        checks.expect(found == expected, f"{what} gave rank {got.rank} of {got.world_size}, expected "
+                                         f"{expected[0]} of {expected[1]}: {hint}")
+    got = attempt(["--init-method", f"file://{fresh_file()}", "--rank", "0", "--world-size", "1"], {})
+    checks.expect(not isinstance(got, str) and got.init_method.startswith("file:///"),
+                  f"a valid file:// setting came back as {got}")
+    return True
 
 
 def _join_alone(rank: int, n: int) -> str:
@@ -143,6 +181,12 @@ def check_fails_fast(checks: Checks) -> None:
                   f"(its default is 30 minutes)")
     checks.expect(outcome.status != "ok",
                   "init_from_args returned for a world of 2 that only one process joined")
+    # It must fail by timing out (gloo says "Wait timeout"), not by any error that comes at once.
+    timed_out = "timed out" in outcome.detail.lower() or "wait timeout" in outcome.detail.lower()
+    checks.expect(outcome.status != "error" or timed_out,
+                  f"init_from_args failed with {outcome.detail[:200]!r} instead of timing out: the group must "
+                  f"wait settings.timeout_s seconds for the missing rank, then fail - call "
+                  f"dist.init_process_group with timeout=timedelta(seconds=settings.timeout_s)")
 
 
 def check_group(checks: Checks, method: str, settings: Settings) -> None:
@@ -160,8 +204,9 @@ def check_group(checks: Checks, method: str, settings: Settings) -> None:
 
 
 def main(checks: Checks) -> None:
+    if not check_good_settings(checks):  # first: a mistake here explains many bad-settings failures
+        return
     check_bad_settings(checks)
-    check_good_settings(checks)
     check_fails_fast(checks)
 
     # 1. env://: torchrun's MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE

@@ -18,3 +18,23 @@ MUTATIONS = [
              'rank = int(environ["RANK"]) if "RANK" in environ else args.rank',
              "the command line must win over the environment", 2),
 ]
+
+MUTATIONS += [
+    # REVIEW D: os.environ instead of the `environ` argument was blamed on LOCAL_RANK
+    Mutation("os.environ instead of environ (rank)", 'else environ.get("RANK")', 'else os.environ.get("RANK")',
+             "read the `environ` argument, not os.environ", 3),
+    Mutation("os.environ instead of environ (MASTER_ADDR)", 'if not environ.get(name)]', 'if not os.environ.get(name)]',
+             "read from the `environ` argument, not os.environ", 2),
+    # REVIEW D: `or` treats rank 0 as missing
+    Mutation("args.rank or RANK", 'rank = args.rank if args.rank is not None else environ.get("RANK")',
+             'rank = args.rank or environ.get("RANK")', "--rank 0 was treated as missing", 2),
+    # REVIEW D: check_fails_fast accepted any exception; a float timeout raises TypeError at once
+    Mutation("timeout as a float, not a timedelta", "timeout=timedelta(seconds=settings.timeout_s))",
+             "timeout=settings.timeout_s)", "instead of timing out", 2),
+    Mutation("relative file:// path accepted", 'if not path.startswith("/"):', "if False:",
+             "does not mention 'absolute'", 2),
+    Mutation("missing folder accepted", "if not os.path.isdir(os.path.dirname(path)):", "if False:",
+             "file:// in a missing folder was accepted", 2),
+    Mutation("timeout 0 accepted", "if args.timeout <= 0:", "if args.timeout < 0:",
+             "a timeout of 0 s was accepted", 2),
+]
