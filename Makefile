@@ -19,7 +19,7 @@ chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
 PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
 TORCHRUN = $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
-.PHONY: help setup lab hint solution jupyter test bench labs clean cluster cluster-down cluster-bench
+.PHONY: help setup lab hint solution test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench
 
 help: ## list the targets
 	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
@@ -73,6 +73,22 @@ test: setup ## run every test: notebooks (nbval), labs, solutions, package
 	$(PY) -m pytest -q -rs tests chapters --nbval --nbval-sanitize-with tests/sanitize.cfg \
 	    --nbval-cell-timeout 300 -p no:randomly; status=$$?; \
 	echo "make test: total $$(( $$(date +%s) - start )) s"; exit $$status
+
+# The GPU check runs with the Python and torch the machine already has (GPU_PY=... to choose; the
+# course's .venv when it exists) and installs nothing: a GPU box may have no network.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu: ## (GPU machine) every solution on nccl, every notebook, the capstone's restart
+	@$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; status=$$?; \
+	if [ $$status = 3 ]; then echo "make test-gpu: no CUDA GPU on this machine ($(GPU_PY)): nothing to check."; exit 0; fi; \
+	if [ $$status != 0 ] && ! command -v nvidia-smi >/dev/null; then echo "make test-gpu: no CUDA GPU on this machine (no torch in $(GPU_PY), no nvidia-smi): nothing to check."; exit 0; fi; \
+	if [ $$status != 0 ]; then echo "make test-gpu: $(GPU_PY) cannot import torch (GPU_PY=... names another Python)"; exit 2; fi; \
+	start=$$(date +%s); \
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/gpu; status=$$?; \
+	echo "make test-gpu: $$($(GPU_PY) -c 'import torch; print(torch.cuda.get_device_name(0), "x", torch.cuda.device_count(), "- torch", torch.__version__)'), total $$(( $$(date +%s) - start )) s"; \
+	exit $$status
+
+bench-gpu: ## (GPU machine) chapter 09's table: step time and memory in fp32, TF32, fp16, bf16
+	@PYTHONPATH=$(CURDIR) $(GPU_PY) tools/amp_bench.py
 
 bench: setup ## time naive vs ring vs dist.all_reduce; writes assets/bench/
 	$(PY) -m tools.bench
