@@ -1,0 +1,464 @@
+"""Lab 13 - a sharded optimizer by hand: Adam with its state split over the ranks (ZeRO stage 1).
+
+Under DDP every rank keeps Adam's two moments for every parameter: the same numbers, N times.
+Here each rank owns one shard of the parameters, flattened into one vector and padded with zeros
+so that it splits into N equal shards. One optimizer step is:
+
+    reduce-scatter the gradients (averaged): each rank receives the average of its own shard only
+    Adam on that shard, with moments kept for that shard only
+    all-gather the updated shards: every rank has every parameter again
+
+The check trains the same model with DDP + torch.optim.Adam beside yours and compares the weights
+after every step, measures your optimizer state in bytes (about 1/N of Adam's), and counts the
+bytes your step hands to the collectives. The model has 985 parameters: not a multiple of 2, 3 or 4.
+
+Run it with 4 processes:
+    make lab CH=13 NPROC=4
+    (or: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 labs/13_sharding.py)
+"""
+# LAB: fill in every TODO, then run it with torchrun (the command is in the docstring).
+# (For maintainers: `make labs` writes this file from solutions/13_sharding.py; edit that one.)
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ringside import Checks, Rank, print0, run_lab
+from ringside.compare import all_gather_tensor, flat_params, max_diff
+from ringside.data import digits
+
+SEED = 0
+STEPS = 6
+BATCH_PER_RANK = 16
+LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults, but a larger step
+
+
+def make_model() -> nn.Module:
+    """985 parameters (64*13 + 13 + 13*10 + 10): not a multiple of 2, 3 or 4, so shards need padding."""
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Linear(64, 13), nn.Tanh(), nn.Linear(13, 10))
+
+
+# --- Your part: the pieces of a sharded Adam ---------------------------------------------------
+
+
+def flatten_padded(tensors: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """All the tensors flattened into one vector, followed by zeros up to the next multiple of
+    world_size (no zeros when the total already is one). On the tensors' device, detached."""
+    # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
+    # TODO: concatenate the flattened tensors and append zeros up to the next multiple of world_size
+    raise NotImplementedError("the TODO above")
+
+
+def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(start, stop) of `rank`'s shard in the padded vector of a `numel`-element model: the shards
+    have equal sizes, lie in rank order, and together cover every element exactly once. This is the
+    slice that reduce-scatter gives to `rank`."""
+    # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
+    # TODO: the shard size is numel / world_size rounded up; rank r's shard starts at r * size
+    raise NotImplementedError("the TODO above")
+
+
+def average_grad_shard(flat_grad: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the gradient averaged over all ranks. `flat_grad` is this rank's whole
+    (padded) gradient; every rank passes one of the same length. Each rank receives only its own shard."""
+    # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
+    # TODO: reduce-scatter flat_grad with ReduceOp.AVG into a new tensor of numel / world_size elements
+    raise NotImplementedError("the TODO above")
+
+
+def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                t: int, lr: float, betas: tuple[float, float], eps: float) -> None:
+    """One Adam step on these tensors, in place, as torch.optim.Adam does it (no weight decay):
+    update both moments with `grad`, then move `param`. `t` is the number of this step: 1, 2, 3, ..."""
+    # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
+    # TODO: update exp_avg and exp_avg_sq in place, correct both for bias with step t, and move param
+    raise NotImplementedError("the TODO above")
+
+
+@torch.no_grad()
+def gather_params(shard: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """Every rank sends its updated `shard`, receives everyone's, and writes the whole vector into
+    `params`, in order: the padding at the end belongs to no parameter."""
+    # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
+    # TODO: all-gather the shards into one padded vector, drop the padding, and copy each parameter's slice into it
+    raise NotImplementedError("the TODO above")
+
+
+class ShardedAdam:
+    """Adam whose moments and update are split over the ranks (ZeRO-1). Every rank holds every
+    parameter; each updates only its shard and keeps Adam's state for that shard only."""
+
+    def __init__(self, params, lr: float = LR, betas: tuple[float, float] = BETAS, eps: float = EPS):
+        self.params = list(params)
+        self.lr, self.betas, self.eps = lr, betas, eps
+        self.steps = 0  # steps taken; Adam's bias correction needs it
+        self.numel = sum(p.numel() for p in self.params)
+        self.start, self.stop = shard_range(self.numel, dist.get_rank(), dist.get_world_size())
+        # TODO: create exp_avg and exp_avg_sq: zeros for this rank's shard only (stop - start elements), with the parameters' device and dtype
+        raise NotImplementedError("the TODO above")
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One optimizer step: every rank has called backward() on its own batch."""
+        world_size = dist.get_world_size()
+        # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
+        # TODO: average this rank's gradient shard (flatten_padded the grads, then average_grad_shard), take this rank's [start:stop] of the flattened parameters, count the step, adam_update the shard, gather_params
+        raise NotImplementedError("the TODO above")
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+# --- The training that uses it ------------------------------------------------------------------
+
+
+def batches(rank: int, world_size: int, device: torch.device):
+    """STEPS batches of this rank's own BATCH_PER_RANK digits (rank r takes the r-th slice of each
+    global batch), the same for your optimizer and for the DDP reference."""
+    x, y = digits(n=STEPS * BATCH_PER_RANK * world_size).tensors
+    for step in range(STEPS):
+        start = (step * world_size + rank) * BATCH_PER_RANK
+        yield x[start:start + BATCH_PER_RANK].to(device), y[start:start + BATCH_PER_RANK].to(device)
+
+
+# --- The check ---------------------------------------------------------------------------------
+
+# What each collective sends per rank on a ring, as a fraction of the whole tensor S it works on
+# (chapter 04): all-reduce 2(N-1)/N * S; reduce-scatter and all-gather (N-1)/N * S each.
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter",
+               "all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast", "reduce")
+
+
+def _whole_bytes(args, kwargs) -> int:
+    """The size of the whole tensor that a collective works on: its largest argument (a list counts
+    as the sum of its tensors)."""
+    sizes = []
+    for arg in list(args) + list(kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            sizes.append(arg.numel() * arg.element_size())
+        elif isinstance(arg, (list, tuple)) and arg and all(isinstance(t, torch.Tensor) for t in arg):
+            sizes.append(sum(t.numel() * t.element_size() for t in arg))
+    return max(sizes, default=0)
+
+
+@contextmanager
+def counting_collectives():
+    """Inside the block, every collective called through torch.distributed is recorded as
+    (name, bytes of the whole tensor). Calls made inside a recorded call are not counted again."""
+    calls, depth = [], [0]
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                calls.append((name, _whole_bytes(args, kwargs)))
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, counted(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def ring_bytes_sent(calls, world_size: int) -> float:
+    """Bytes each rank sends for these calls if every collective runs as a ring."""
+    share = (world_size - 1) / world_size
+    return sum((2 * share if name == "all_reduce" else share) * size for name, size in calls)
+
+
+def everyone(ok: bool, device: torch.device) -> bool:
+    """True when `ok` holds on every rank: all ranks then go on to the next check together."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def check_flatten(checks: Checks, me: Rank) -> bool:
+    sizes = (7, 5, 1)  # 13 elements: padded to 14 at 2 ranks, 15 at 3, 16 at 4
+    tensors = [torch.arange(1.0, n + 1.0, device=me.device).reshape(-1) for n in sizes]
+    flat = flatten_padded(tensors, me.world_size).cpu()
+    real = torch.cat([t.cpu() for t in tensors])
+    want = -(-13 // me.world_size) * me.world_size
+    if flat.numel() != want:
+        why = ("a multiple of world_size, but pad only up to the NEXT one" if flat.numel() % me.world_size == 0
+               else "pad with zeros so that every shard has the same size (reduce-scatter and all-gather need equal chunks)")
+        return checks.expect(False, f"flatten_padded of 13 elements at {me.world_size} ranks returned {flat.numel()} "
+                                    f"elements, expected {want}: {why}")
+    ok = torch.equal(flat[:13], real)
+    checks.expect(ok, "flatten_padded changed the order or the values: the tensors must come first, flattened, in order")
+    pad_ok = bool((flat[13:] == 0).all())
+    checks.expect(pad_ok, "flatten_padded's padding is not zeros: use zeros (torch.empty holds garbage, "
+                          "and garbage can be NaN)")
+    return ok and pad_ok
+
+
+def check_shard_range(checks: Checks, me: Rank) -> bool:
+    ok = True
+    for numel in (985, 13, me.world_size * 5):
+        mine = tuple(int(v) for v in shard_range(numel, me.rank, me.world_size))
+        ranges = [None] * me.world_size
+        dist.all_gather_object(ranges, mine)
+        size = -(-numel // me.world_size)
+        padded = size * me.world_size
+        expected = [(r * size, (r + 1) * size) for r in range(me.world_size)]
+        if ranges == expected:
+            continue
+        ok = False
+        covered = [0] * max([padded] + [stop for _, stop in ranges])
+        for start, stop in ranges:
+            for i in range(max(start, 0), max(stop, 0)):
+                covered[i] += 1
+        skipped = [i for i in range(numel) if covered[i] == 0]
+        repeated = [i for i in range(len(covered)) if covered[i] > 1]
+        if sorted(ranges) == expected:
+            swapped = next(r for r in range(me.world_size) if ranges[r] != expected[r])
+            checks.fail(f"shard_range({numel}): rank {swapped} took the shard {ranges[swapped]}, which belongs to rank "
+                        f"{expected.index(ranges[swapped])} - wrong shard for this rank: reduce-scatter hands rank r "
+                        f"the r-th chunk, {expected[swapped]}")
+        elif repeated:
+            checks.fail(f"shard_range({numel}): the shards repeat elements (element {repeated[0]} lies in two shards) - "
+                        f"rank r's shard is [r * size, (r + 1) * size), the stop excluded")
+        elif skipped:
+            checks.fail(f"shard_range({numel}) at {me.world_size} ranks: the shards skip {len(skipped)} element(s) "
+                        f"(the first is {skipped[0]}) - round the shard size UP (the padding makes room), "
+                        f"size = ceil({numel} / {me.world_size}) = {size}")
+        else:
+            checks.fail(f"shard_range({numel}) gave {ranges}, expected {expected}: equal shards in rank order")
+        break
+    return ok
+
+
+def check_average(checks: Checks, me: Rank) -> bool:
+    n = -(-37 // me.world_size) * me.world_size
+    torch.manual_seed(SEED)
+    everyones = torch.randn(me.world_size, n)  # rank r's gradient is row r: the check knows them all
+    with counting_collectives() as calls:
+        shard = average_grad_shard(everyones[me.rank].to(me.device)).cpu()
+    size = n // me.world_size
+    expected = everyones.mean(dim=0)[me.rank * size:(me.rank + 1) * size]
+    names = [name for name, _ in calls]
+    if "all_reduce" in names:
+        extra = ring_bytes_sent(calls, me.world_size) - ring_bytes_sent([("reduce_scatter_single", n * 4)], me.world_size)
+        checks.fail(f"average_grad_shard called all_reduce: it sends 2(N-1)/N of the gradient from each rank "
+                    f"({extra:.0f} bytes more here than one reduce-scatter) and leaves every rank the whole "
+                    f"average - ZeRO uses reduce-scatter, so each rank receives only the shard it updates")
+        return False
+    if not any(name.startswith("reduce_scatter") for name in names):
+        checks.fail(f"average_grad_shard made no reduce-scatter (calls seen: {names or 'none'}): every rank must "
+                    f"receive the average of its own shard of the gradient - dist.reduce_scatter_single")
+        return False
+    if shard.shape != expected.shape:
+        return checks.expect(False, f"average_grad_shard returned {tuple(shard.shape)} elements, expected this rank's "
+                                    f"shard of {size} (the padded length / world_size)")
+    if torch.isnan(shard).any():
+        return checks.expect(False, "average_grad_shard returned NaN")
+    # Tolerance: the same sums in another order, float32: about 1e-7 relative; 1e-5 absolute on values of about 1.
+    gap = max_diff(shard, expected)
+    if gap <= 1e-5:
+        return checks.expect(True, "")
+    ratio = float(shard @ expected / (expected @ expected))  # the scale of what came back
+    if abs(ratio - me.world_size) < 0.01:
+        checks.fail(f"the gradient shard is {me.world_size}x the average: it is the sum - average it "
+                    f"(op=dist.ReduceOp.AVG). Adam hardly notices the scale of its gradient, so the "
+                    f"training check alone would miss this")
+    elif abs(ratio - 1 / me.world_size) < 0.01:
+        checks.fail(f"the gradient shard is 1/{me.world_size} of the average - averaged twice (ReduceOp.AVG and "
+                    f"a division by world_size)? Adam hardly notices the scale, so training alone would miss it")
+    else:
+        checks.fail(f"average_grad_shard differs from the average of the ranks' gradient shards by {gap:.2e} "
+                    f"(tolerance 1e-5): is it this rank's shard, rank r taking the r-th chunk?")
+    return False
+
+
+def check_adam(checks: Checks, me: Rank) -> bool:
+    """Your adam_update against torch.optim.Adam on one tensor, for three steps."""
+    torch.manual_seed(SEED + 1)
+    start, grads = torch.randn(50), [torch.randn(50) for _ in range(3)]
+    reference = nn.Parameter(start.clone())
+    adam = torch.optim.Adam([reference], lr=LR, betas=BETAS, eps=EPS)
+    param = start.clone().to(me.device)
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    for t, grad in enumerate(grads, start=1):
+        reference.grad = grad.clone()
+        adam.step()
+        adam_update(param, grad.to(me.device), exp_avg, exp_avg_sq, t, LR, BETAS, EPS)
+        # Tolerance: the same formula in float32, perhaps in another order: about 1e-7 relative on
+        # weights of about 1; a wrong formula moves them by about LR = 1e-2.
+        gap = max_diff(param.cpu(), reference.detach())
+        if torch.isnan(param).any():
+            return checks.expect(False, f"adam_update made NaN at step {t}: is the bias correction 1 - beta**t "
+                                        f"with t >= 1 (1 - beta**0 = 0)?")
+        if gap > 1e-6:
+            g = grads[0]  # step 1 without bias correction: m = (1 - b1) g, v = (1 - b2) g^2
+            uncorrected = start - LR * (1 - BETAS[0]) * g / ((1 - BETAS[1]) ** 0.5 * g.abs() + EPS)
+            no_correction = t == 1 and max_diff(param.cpu(), uncorrected) < 1e-5
+            why = ("the bias correction is missing: divide the step by 1 - beta1**t and sqrt(v) by "
+                   "sqrt(1 - beta2**t)" if no_correction
+                   else "compare your update with the formulas of torch.optim.Adam (in the hints)")
+            return checks.expect(False, f"adam_update differs from torch.optim.Adam by {gap:.2e} after step {t} "
+                                        f"(tolerance 1e-6): {why}")
+    return checks.expect(True, "")
+
+
+def check_gather(checks: Checks, me: Rank) -> bool:
+    """Each rank's shard holds (rank + 1) * 1000 + position: after gather_params the parameters must
+    hold every rank's shard, in rank order, on every rank."""
+    shapes = [(3, 4), (5,), (2,)]  # 19 elements: padded at 2, 3 and 4 ranks
+    params = [nn.Parameter(torch.zeros(s, device=me.device)) for s in shapes]
+    size = -(-19 // me.world_size)
+    shard = torch.arange(size, dtype=torch.float32, device=me.device) + (me.rank + 1) * 1000
+    expected = torch.cat([torch.arange(size, dtype=torch.float32) + (r + 1) * 1000 for r in range(me.world_size)])[:19]
+    with counting_collectives() as calls:
+        try:
+            gather_params(shard, params)
+        except RuntimeError as error:
+            text = str(error).strip().splitlines()[0]
+            hint = (" - strip the padding: keep the first numel elements of the gathered vector before splitting"
+                    if "split" in text or "size" in text or "shape" in text else "")
+            return checks.expect(False, f"gather_params raised RuntimeError: {text}{hint}")
+    got = flat_params(nn.ParameterList(params))
+    if not any(name.startswith("all_gather") for name, _ in calls):
+        return checks.expect(False, f"gather_params made no all-gather (calls seen: {[n for n, _ in calls] or 'none'}): "
+                                    f"each rank updated only its own shard, the others stay stale - all-gather "
+                                    f"the updated shards (dist.all_gather_single)")
+    if torch.equal(got, expected):
+        return checks.expect(True, "")
+    if torch.equal(got[-19:], torch.cat([expected, expected])[-19 - (size * me.world_size - 19):][:19]):
+        return checks.expect(False, "gather_params took the wrong end of the gathered vector: the padding sits "
+                                    "at the END, keep the first numel elements")
+    return checks.expect(False, f"after gather_params rank {me.rank}'s parameters are not every rank's shard in rank "
+                                f"order (first difference at element {int((got != expected).nonzero()[0])}): "
+                                f"all-gather the shards, drop the padding at the end, copy in parameter order")
+
+
+def state_bytes(optimizer, params) -> int:
+    """Bytes of every tensor the optimizer holds, the model's own parameters left out (they are
+    not the optimizer's)."""
+    theirs = {id(p) for p in params}
+    found, seen = 0, set()
+
+    def visit(value):
+        nonlocal found
+        if isinstance(value, torch.Tensor):
+            if id(value) not in theirs and id(value) not in seen:
+                seen.add(id(value))
+                found += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    visit(vars(optimizer))
+    return found
+
+
+def check_state(checks: Checks, me: Rank, optimizer: ShardedAdam, params, adam_bytes: int) -> bool:
+    """Your optimizer's state against torch.optim.Adam's two moments (measured on the DDP reference)."""
+    mine = state_bytes(optimizer, params)
+    shard = optimizer.stop - optimizer.start
+    everyone_bytes = [None] * me.world_size
+    dist.all_gather_object(everyone_bytes, mine)
+    print0(f"optimizer state per rank: {everyone_bytes} bytes; torch.optim.Adam under DDP: {adam_bytes} bytes "
+           f"on every rank (ratio {everyone_bytes[0] / adam_bytes:.3f}, 1/N = {1 / me.world_size:.3f})")
+    # About 1/N: the two moments of one shard; the padding adds at most N - 1 elements per moment.
+    ok = mine * me.world_size <= adam_bytes + 2 * 4 * me.world_size * (me.world_size - 1) and mine > 0
+    if not ok and mine >= adam_bytes:
+        return checks.expect(False, f"rank {me.rank}'s optimizer holds {mine} bytes, as much as Adam for the whole "
+                                    f"model ({adam_bytes}): keep exp_avg and exp_avg_sq for this rank's shard "
+                                    f"only ({shard} elements each), not for all parameters")
+    return checks.expect(ok, f"rank {me.rank}'s optimizer holds {mine} bytes; about 1/{me.world_size} of Adam's "
+                             f"{adam_bytes} is expected (two moments of {shard} elements)")
+
+
+def train_both(checks: Checks, me: Rank) -> None:
+    """DDP + torch.optim.Adam and your ShardedAdam, step by step on the same batches."""
+    reference = DDP(make_model().to(me.device), device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    adam = torch.optim.Adam(reference.parameters(), lr=LR, betas=BETAS, eps=EPS)
+    model = make_model().to(me.device)
+    optimizer = ShardedAdam(model.parameters())
+    params = list(model.parameters())
+    for step, (x, y) in enumerate(batches(me.rank, me.world_size, me.device), start=1):
+        adam.zero_grad()
+        F.cross_entropy(reference(x), y).backward()  # DDP averages the gradients
+        adam.step()
+        if step == 1:  # Adam's state exists now; yours since __init__
+            adam_bytes = sum(s[k].numel() * s[k].element_size() for s in adam.state.values()
+                             for k in ("exp_avg", "exp_avg_sq"))
+            if not everyone(check_state(checks, me, optimizer, params, adam_bytes), me.device):
+                return
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()      # this rank's gradient only: your step averages
+        with counting_collectives() as calls:
+            try:
+                optimizer.step()
+            except ZeroDivisionError as error:  # in Python floats, 1 - beta**0 = 0 divides by zero
+                checks.fail(f"step {step} raised ZeroDivisionError ({error}): Adam's bias correction "
+                            f"1 - beta**t is 0 for t = 0 - count the step before the update (the first step has t = 1)")
+                return
+        if step == 1:
+            check_traffic(checks, me, calls, optimizer.numel)
+        mine = flat_params(model)
+        if torch.isnan(mine).any():
+            checks.fail(f"the weights are NaN after step {step}: Adam's bias correction 1 - beta**t is 0 for "
+                        f"t = 0 - count the step before the update (the first step has t = 1)")
+            return
+        copies = all_gather_tensor(mine.to(me.device))
+        if any(max_diff(mine, c.cpu()) > 0 for c in copies):
+            checks.fail(f"after step {step} the ranks' weights differ: every rank must end the step with every "
+                        f"rank's updated shard - the all-gather is missing or writes to the wrong places")
+            return
+        # Tolerance: the gradients are averaged in another order (float32, about 1e-7 relative) and
+        # Adam divides by sqrt(v): each step moves a weight by at most about LR = 1e-2, and a rounding
+        # difference changes that by far less than 1e-6 per step (measured: 0 at 2 ranks, 3e-8 at 4
+        # after 6 steps). A real mistake moves weights by about LR.
+        gap = max_diff(mine, flat_params(reference))
+        if gap > 1e-5:
+            later = (f"; it matched until step {step - 1}: does the bias correction use the right step "
+                     f"count t = 1, 2, 3, ... (ShardedAdam.steps is {optimizer.steps})?" if step > 1
+                     else ": check the slice [start:stop] you update and the shard you average")
+            checks.fail(f"after step {step} the weights differ from DDP + torch.optim.Adam by {gap:.2e} "
+                        f"(tolerance 1e-5){later}")
+            return
+    checks.expect(optimizer.steps == STEPS, f"ShardedAdam.steps is {optimizer.steps} after {STEPS} steps: "
+                                            f"count every step (Adam's bias correction needs it)")
+    print0(f"{STEPS} steps: weights equal to DDP + torch.optim.Adam to within 1e-5 on {me.world_size} ranks")
+
+
+def check_traffic(checks: Checks, me: Rank, calls, numel: int) -> None:
+    """One step's collectives should send, per rank, what one all-reduce of the gradients sends."""
+    padded = -(-numel // me.world_size) * me.world_size * 4
+    sent, all_reduce = ring_bytes_sent(calls, me.world_size), ring_bytes_sent([("all_reduce", padded)], me.world_size)
+    print0(f"one step's collectives: {[name for name, _ in calls]}, {sent:.0f} bytes sent per rank on a ring; "
+           f"one all-reduce of the padded gradient: {all_reduce:.0f}")
+    # Exact: byte counts, no rounding.
+    checks.expect(sent <= all_reduce, f"one step hands the collectives {sent:.0f} bytes per rank on a ring, more than "
+                                      f"one all-reduce of the gradient ({all_reduce:.0f}): reduce-scatter the "
+                                      f"gradient and all-gather the parameters, nothing more "
+                                      f"(calls: {[name for name, _ in calls]})")
+
+
+def main(me: Rank, checks: Checks) -> None:
+    for check in (check_flatten, check_shard_range, check_average, check_adam, check_gather):
+        if not everyone(check(checks, me), me.device):
+            return
+    train_both(checks, me)
+
+
+if __name__ == "__main__":
+    run_lab(main, title="Lab 13 (sharding)")
