@@ -56,7 +56,7 @@ def make_buckets(params: list[torch.Tensor], cap: int) -> list[list[int]]:
     elements (sum of numel), close it and start a new one. Every index lands in exactly one bucket;
     the last bucket may be smaller than `cap`. Example: numels [100, 10, 100, 10], cap 50
     -> [[3, 2], [1, 0]]."""
-    # (stuck? `make hint CH=12` prints hint 1 of 2, `make hint CH=12 N=2` the next)
+    # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
     # TODO: return the list of buckets (lists of parameter indices), filled in reverse registration order, each closed once it holds >= cap elements
     raise NotImplementedError("the TODO above")
 
@@ -84,20 +84,21 @@ class HandDDP(nn.Module):
 
     def on_gradient_ready(self, index: int) -> None:
         """Runs inside backward when self.params[index].grad is ready. Must return at once."""
-        # (stuck? `make hint CH=12` prints hint 1 of 2, `make hint CH=12 N=2` the next)
+        # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
         # TODO: unless sync is off, count this gradient in its bucket; when the bucket's last gradient arrives, launch an async all-reduce (sum) of the bucket's gradients flattened into one buffer, keep (work, buffer, bucket) in self.pending, and return without waiting
         raise NotImplementedError("the TODO above")
 
     def finish_gradient_sync(self) -> None:
         """Call after the last backward of a window, before optimizer.step(): afterwards every
         p.grad holds the average of that gradient over all ranks."""
-        # (stuck? `make hint CH=12` prints hint 1 of 2, `make hint CH=12 N=2` the next)
+        # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
         # TODO: wait for every pending all-reduce, divide its buffer by the world size (once), copy the averaged slices back into each parameter's .grad, and empty the pending list
         raise NotImplementedError("the TODO above")
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Inside this block, backward only accumulates gradients locally: no communication."""
+        # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
         # TODO: switch self.sync off for the block and back on afterwards (even if the block raises)
         raise NotImplementedError("the TODO above")
 
@@ -108,11 +109,12 @@ def train_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
 
     `loss_of(model, batch)` returns the micro-batch's loss, already divided by the number of
     micro-batches. Works for HandDDP and for torch's DDP (both have no_sync)."""
+    # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
     # TODO: backward every micro-batch's loss - all but the last inside model.no_sync() - then, for a HandDDP, finish_gradient_sync(); then optimizer.step() and optimizer.zero_grad()
     raise NotImplementedError("the TODO above")
 
 
-# --- Training, for your DDP and for torch's --------------------------------------------------
+# --- Training your DDP on this rank's micro-batches ------------------------------------------
 
 
 def rank_micro_batches(rank: int, world_size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -127,29 +129,26 @@ def rank_micro_batches(rank: int, world_size: int) -> list[list[tuple[torch.Tens
     return windows
 
 
-def train(model: nn.Module, windows: list, device: torch.device, events: list | None = None,
-          after_first: Callable | None = None) -> None:
-    """Train WINDOWS steps with train_window; note forward passes, steps and window ends in `events`."""
+def train(model: HandDDP, windows: list, device: torch.device, events: list, after_first: Callable) -> None:
+    """WINDOWS steps of train_window, noting forward passes, steps and window ends in `events`;
+    `after_first()` runs just before the first step (to look at the gradients)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loss_fn = nn.CrossEntropyLoss()
 
     def loss_of(model, batch):
-        if events is not None:
-            events.append(("forward",))
+        events.append(("forward",))
         x, y = batch
         return loss_fn(model(x.to(device)), y.to(device)) / len(windows[0])
 
-    if events is not None:
-        optimizer.register_step_pre_hook(lambda *_: events.append(("step",)))
-    if after_first is not None:  # look at the gradients just before the first step, once
-        def first_step(*_):
-            after_first()
-            handle.remove()
-        handle = optimizer.register_step_pre_hook(first_step)
+    def first_step(*_):
+        after_first()
+        handle.remove()
+
+    optimizer.register_step_pre_hook(lambda *_: events.append(("step",)))
+    handle = optimizer.register_step_pre_hook(first_step)
     for micro_batches in windows:
         train_window(model, optimizer, micro_batches, loss_of)
-        if events is not None:
-            events.append(("window end",))
+        events.append(("window end",))
 
 
 # --- The check ---------------------------------------------------------------------------------
@@ -398,7 +397,7 @@ def main(me: Rank, checks: Checks) -> None:
         check_weights(checks, model, ref_weights, me.rank)
     launches = sum(e[0] == "launch" for e in events)
     print0(f"{WINDOWS} steps of {ACCUM} micro-batches: {launches} all-reduces on rank 0 "
-           f"({len(hand.buckets)} per step; without no_sync it would be {ACCUM * len(hand.buckets)})")
+           f"({len(hand.buckets)} per step; without no_sync, {ACCUM * len(hand.buckets)} per step)")
 
 
 if __name__ == "__main__":

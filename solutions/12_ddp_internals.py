@@ -129,6 +129,8 @@ class HandDDP(nn.Module):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Inside this block, backward only accumulates gradients locally: no communication."""
+        # HINT 1: on_gradient_ready already returns at once when self.sync is False.
+        # HINT 2: self.sync = False; try: yield; finally: self.sync = True
         # BEGIN SOLUTION: switch self.sync off for the block and back on afterwards (even if the block raises)
         self.sync = False
         try:
@@ -144,6 +146,8 @@ def train_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
 
     `loss_of(model, batch)` returns the micro-batch's loss, already divided by the number of
     micro-batches. Works for HandDDP and for torch's DDP (both have no_sync)."""
+    # HINT 1: only the last micro-batch's backward may communicate; its hooks launch every bucket.
+    # HINT 2: for batch in micro_batches[:-1]: with model.no_sync(): loss_of(model, batch).backward(); then the last one outside, then finish_gradient_sync() if isinstance(model, HandDDP), step, zero_grad.
     # BEGIN SOLUTION: backward every micro-batch's loss - all but the last inside model.no_sync() - then, for a HandDDP, finish_gradient_sync(); then optimizer.step() and optimizer.zero_grad()
     for batch in micro_batches[:-1]:
         with model.no_sync():
@@ -156,7 +160,7 @@ def train_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
     # END SOLUTION
 
 
-# --- Training, for your DDP and for torch's --------------------------------------------------
+# --- Training your DDP on this rank's micro-batches ------------------------------------------
 
 
 def rank_micro_batches(rank: int, world_size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -171,29 +175,26 @@ def rank_micro_batches(rank: int, world_size: int) -> list[list[tuple[torch.Tens
     return windows
 
 
-def train(model: nn.Module, windows: list, device: torch.device, events: list | None = None,
-          after_first: Callable | None = None) -> None:
-    """Train WINDOWS steps with train_window; note forward passes, steps and window ends in `events`."""
+def train(model: HandDDP, windows: list, device: torch.device, events: list, after_first: Callable) -> None:
+    """WINDOWS steps of train_window, noting forward passes, steps and window ends in `events`;
+    `after_first()` runs just before the first step (to look at the gradients)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loss_fn = nn.CrossEntropyLoss()
 
     def loss_of(model, batch):
-        if events is not None:
-            events.append(("forward",))
+        events.append(("forward",))
         x, y = batch
         return loss_fn(model(x.to(device)), y.to(device)) / len(windows[0])
 
-    if events is not None:
-        optimizer.register_step_pre_hook(lambda *_: events.append(("step",)))
-    if after_first is not None:  # look at the gradients just before the first step, once
-        def first_step(*_):
-            after_first()
-            handle.remove()
-        handle = optimizer.register_step_pre_hook(first_step)
+    def first_step(*_):
+        after_first()
+        handle.remove()
+
+    optimizer.register_step_pre_hook(lambda *_: events.append(("step",)))
+    handle = optimizer.register_step_pre_hook(first_step)
     for micro_batches in windows:
         train_window(model, optimizer, micro_batches, loss_of)
-        if events is not None:
-            events.append(("window end",))
+        events.append(("window end",))
 
 
 # --- The check ---------------------------------------------------------------------------------
@@ -442,7 +443,7 @@ def main(me: Rank, checks: Checks) -> None:
         check_weights(checks, model, ref_weights, me.rank)
     launches = sum(e[0] == "launch" for e in events)
     print0(f"{WINDOWS} steps of {ACCUM} micro-batches: {launches} all-reduces on rank 0 "
-           f"({len(hand.buckets)} per step; without no_sync it would be {ACCUM * len(hand.buckets)})")
+           f"({len(hand.buckets)} per step; without no_sync, {ACCUM * len(hand.buckets)} per step)")
 
 
 if __name__ == "__main__":
