@@ -29,7 +29,9 @@ def ring_chunks(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """Split the 1-D tensor `flat` into `world_size` consecutive views (not copies) whose sizes
     differ by at most one: the first numel % world_size chunks get one extra element.
     10 elements on 4 ranks: sizes 3, 3, 2, 2. 3 elements on 4 ranks: 1, 1, 1, 0."""
-    # BEGIN SOLUTION: base, extra = divmod(flat.numel(), world_size); chunk i has base + 1 elements if i < extra, else base; return the slices flat[start:start + size]
+    # HINT 1: divmod(flat.numel(), world_size) gives the base size and how many chunks get one more; slicing makes views. flat.chunk(world_size) is not it: 5 elements on 4 ranks give only 3 chunks
+    # HINT 2: sizes = [base + (1 if i < extra else 0) for i in range(world_size)]; chunk i is flat[start:start + sizes[i]] with start the sum of the sizes before it
+    # BEGIN SOLUTION: return exactly world_size views of consecutive pieces of `flat`, sized as the docstring says
     base, extra = divmod(flat.numel(), world_size)
     sizes = [base + (1 if i < extra else 0) for i in range(world_size)]
     starts = [sum(sizes[:i]) for i in range(world_size)]
@@ -39,12 +41,16 @@ def ring_chunks(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 
 def send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
     """Send `outgoing` to rank + 1 and, at the same time, receive `incoming` from rank - 1
-    (both wrap around). Every rank calls this at once, so none may wait before it has posted both."""
+    (both wrap around); return when both are done. Every rank calls this at once, so none may
+    wait before it has posted both. It must work on gloo and on NCCL (which wants a send and a
+    receive that run at the same time posted together, as one group)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    # BEGIN SOLUTION: post dist.isend(outgoing, dst=right) and dist.irecv(incoming, src=left) first, then .wait() on both
-    requests = [dist.isend(outgoing, dst=right), dist.irecv(incoming, src=left)]
-    for request in requests:
+    # HINT 1: a blocking send or recv on every rank at once deadlocks: post both operations before waiting on either; dist.batch_isend_irecv posts a list of dist.P2POp as one group
+    # HINT 2: ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]; then wait on every request that dist.batch_isend_irecv(ops) returns
+    # BEGIN SOLUTION: send `outgoing` to the right neighbour and receive `incoming` from the left one, both in flight at once, and return when both are complete
+    ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]
+    for request in dist.batch_isend_irecv(ops):
         request.wait()
     # END SOLUTION
 
@@ -56,7 +62,9 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     chunks = ring_chunks(tensor.view(-1), world_size)
     landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once
-    # BEGIN SOLUTION: scatter-reduce - for step in range(world_size - 1): send chunk (rank - step) % world_size, receive chunk (rank - step - 1) % world_size into landing[:that chunk's numel()], and add it to that chunk
+    # HINT 1: N-1 steps; at each step every rank sends one chunk right and adds the chunk arriving from the left into its own copy of that chunk. Rank r starts by sending its own chunk r; the chunk it receives is the one its left neighbour sent
+    # HINT 2: at step s rank r sends chunk (r - s) % N and receives chunk (r - s - 1) % N into landing[:numel] (never into the chunk itself: that would overwrite your part before adding it), then adds it in place
+    # BEGIN SOLUTION: scatter-reduce: after N-1 steps of sending right and receiving from the left, rank r holds the sum over all ranks of chunk (r + 1) % N
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
         arrived = landing[:chunks[receive].numel()]
@@ -64,7 +72,9 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
         chunks[receive] += arrived
     # END SOLUTION
     # now rank r holds the full sum of chunk (r + 1) % world_size
-    # BEGIN SOLUTION: all-gather - for step in range(world_size - 1): send chunk (rank + 1 - step) % world_size, receive chunk (rank - step) % world_size straight into its place (no adding)
+    # HINT 1: N-1 more steps; now each rank passes on the finished chunk it got last, starting with the one it reduced, and the received chunk replaces its own copy (no adding)
+    # HINT 2: at step s rank r sends chunk (r + 1 - s) % N and receives chunk (r - s) % N straight into chunks[(r - s) % N]
+    # BEGIN SOLUTION: all-gather: pass the finished chunks around the ring so that every rank ends with every chunk's sum
     for step in range(world_size - 1):
         send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
         send_right_receive_left(chunks[send], chunks[receive])
@@ -80,7 +90,9 @@ def average_gradients(model: nn.Module) -> None:
     ring_all_reduce on one flat buffer of all gradients (what DDP does with its buckets)."""
     world_size = dist.get_world_size()
     grads = [p.grad for p in model.parameters()]
-    # BEGIN SOLUTION: flat = torch.cat of every grad reshaped to 1-D; ring_all_reduce(flat); turn the sum into a mean; copy each slice back into its grad (g.copy_(flat[offset:offset + g.numel()].view_as(g)))
+    # HINT 1: torch.cat of the grads reshaped to 1-D makes one flat copy; ring_all_reduce sums it; a sum over N ranks is N times the mean; the copy must go back into each p.grad in place
+    # HINT 2: after ring_all_reduce(flat) and flat /= world_size, walk an offset through flat: g.copy_(flat[offset:offset + g.numel()].view_as(g)); offset += g.numel()
+    # BEGIN SOLUTION: leave in every p.grad its mean over all ranks, using one ring_all_reduce on one flat buffer
     flat = torch.cat([g.reshape(-1) for g in grads])
     ring_all_reduce(flat)
     flat /= world_size
@@ -104,33 +116,67 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
-def my_batch(data: TensorDataset, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of global batch `step`: consecutive blocks of the data."""
+def my_batch(data: TensorDataset, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of global batch `step`: consecutive blocks of the data, on `device`."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x, y = data.tensors
     start = (step * world_size + rank) * BATCH_PER_RANK
-    return x[start:start + BATCH_PER_RANK], y[start:start + BATCH_PER_RANK]
+    return x[start:start + BATCH_PER_RANK].to(device), y[start:start + BATCH_PER_RANK].to(device)
 
 
-def train(model: nn.Module, data: TensorDataset, by_hand: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def train(model: nn.Module, data: TensorDataset, device: torch.device, by_hand: bool) -> list[tuple]:
     """STEPS of SGD; by_hand: average the gradients with average_gradients (else `model` is a DDP
-    and backward averages them). Returns (gradients, weights) after every step."""
+    and backward averages them). Returns (local gradients, averaged gradients, weights) per step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     history = []
     for step in range(STEPS):
-        x, y = my_batch(data, step)
+        x, y = my_batch(data, step, device)
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
+        local = flat_grads(model)
         if by_hand:
             average_gradients(model)
         optimizer.step()
-        history.append((flat_grads(model), flat_params(model)))
+        history.append((local, flat_grads(model), flat_params(model)))
     return history
 
 
 # --- The check ------------------------------------------------------------------------------
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+def check_chunks(checks: Checks, device: torch.device) -> bool:
+    """ring_chunks on its own: exactly N views, in order, sized base or base + 1, first ones larger."""
+    world_size = dist.get_world_size()
+    for numel in (world_size * 5, world_size - 1, world_size * 5 + 1, world_size * 5 + world_size - 1, 1):
+        flat = torch.arange(numel, dtype=torch.float32, device=device)
+        base, extra = divmod(numel, world_size)
+        want = [base + (1 if i < extra else 0) for i in range(world_size)]
+        try:
+            chunks = list(ring_chunks(flat, world_size))
+        except NotImplementedError:
+            raise
+        except Exception as error:  # the learner's mistake becomes a diagnosis, not a crash of the check
+            checks.fail(f"ring_chunks on {numel} elements raised {type(error).__name__}: {error}")
+            return False
+        sizes = [c.numel() for c in chunks]
+        where = f"ring_chunks on {numel} elements for {world_size} ranks gave sizes {sizes}"
+        if len(chunks) != world_size:
+            return checks.expect(False, f"{where}: {len(chunks)} chunks, not {world_size} - every rank needs a chunk "
+                                        f"even when they do not divide evenly (flat.chunk(n) may return fewer "
+                                        f"than n; slice by sizes, or use tensor_split)")
+        if sizes != want:
+            return checks.expect(False, f"{where}, expected {want}: the first numel % world_size chunks get "
+                                        f"one extra element")
+        if not torch.equal(torch.cat(chunks), flat):
+            return checks.expect(False, f"{where}: together they are not `flat` in order")
+        shares = all(c.numel() == 0 or c.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                     for c in chunks)
+        if not checks.expect(shares, f"{where}: the chunks are copies, not views of `flat` - the ring writes "
+                                     f"into the chunks, and `tensor` must see it (slice; no .clone() or torch.cat)"):
+            return False
+    return True
 
 
 def ring_cases(world_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -143,13 +189,13 @@ def ring_cases(world_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return even + odd
 
 
-def example(shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> torch.Tensor:
+def example(shape: tuple[int, ...], dtype: torch.dtype, rank: int, device: torch.device) -> torch.Tensor:
     """Different values on every rank. Floats are random normals; the 16-bit floats and the
     integers get small integers, whose sums are exact in any order."""
     g = torch.Generator().manual_seed(1000 * rank + sum(shape))
     if dtype in (torch.float32, torch.float64):
-        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-    return torch.randint(-8, 9, shape, generator=g).to(dtype)
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+    return torch.randint(-8, 9, shape, generator=g).to(dtype).to(device)
 
 
 def tolerance(dtype: torch.dtype, inputs_abs_sum: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -188,6 +234,8 @@ def run_ring(tensor: torch.Tensor) -> str | None:
         ring_all_reduce(tensor)
     except UsedCollective as error:
         return str(error)
+    except NotImplementedError:
+        raise
     except RuntimeError as error:
         text = str(error)
         if "Timed out" in text or "timed out" in text or "Connection closed" in text:
@@ -200,15 +248,93 @@ def run_ring(tensor: torch.Tensor) -> str | None:
     return None
 
 
+BASE = 100  # probe digits: rank r gives BASE**r; float64 holds BASE**7 exactly, so up to 7 ranks
+
+
+def contributions(world_size: int, device: torch.device) -> list[list[int]] | None:
+    """Run the learner's ring once more on a probe: rank r gives BASE**r everywhere, so each digit
+    (base BASE) of the result counts how often one rank's values got into it (a right sum is 1 each).
+    Returns, per chunk, the count of every rank; None where the result is no such number."""
+    if world_size > 7:
+        return None
+    # equal chunks: a wrong chunk index then mixes up values without a size mismatch
+    probe = torch.full((world_size * 3,), float(BASE ** dist.get_rank()), dtype=torch.float64, device=device)
+    try:
+        if run_ring(probe):
+            return None
+    except RuntimeError:
+        return None
+    counts = []
+    for chunk in probe.cpu().tensor_split(world_size):
+        value = chunk[0].item()
+        if not torch.all(chunk == value) or value < 0 or value != int(value) or value >= BASE ** world_size:
+            return None
+        counts.append([int(value) // BASE ** r % BASE for r in range(world_size)])
+    return counts
+
+
+def simulate(world_size: int, mistake: str) -> list[list[list[int]]]:
+    """The probe's counts on every rank for a ring with one known mistake (or none)."""
+    n = world_size
+    state = [[[1 if k == r else 0 for k in range(n)] for c in range(n)] for r in range(n)]
+
+    def step(send_of, receive_of, combine):
+        sent = [list(state[r][send_of(r)]) for r in range(n)]
+        for r in range(n):
+            arrived, c = sent[(r - 1) % n], receive_of(r)
+            state[r][c] = combine(state[r][c], arrived)
+
+    add = lambda mine, arrived: [a + b for a, b in zip(mine, arrived)]  # noqa: E731
+    double = lambda mine, arrived: [2 * b for b in arrived]  # noqa: E731
+    replace = lambda mine, arrived: list(arrived)  # noqa: E731
+    for s in range(n - 1):
+        receive = (lambda r: (r - s + 1) % n) if mistake == "scatter index" else (lambda r: (r - s - 1) % n)
+        step(lambda r: (r - s) % n, receive, double if mistake == "receive into chunk" else add)
+    if mistake != "no all-gather":
+        for s in range(n - 1):
+            send = (lambda r: (r - s) % n) if mistake == "gather index" else (lambda r: (r + 1 - s) % n)
+            step(send, lambda r: (r - s) % n, add if mistake == "gather adds" else replace)
+    return state
+
+
+MISTAKES = {
+    "receive into chunk": "did you receive into the chunk itself and then add? The arrival overwrote this "
+                          "rank's own values: receive into `landing`, then add it to the chunk",
+    "gather adds": "does the all-gather phase add what arrives? It must replace the chunk, not add to it",
+    "scatter index": "an off-by-one chunk index in the scatter-reduce? At each step a rank sends on the chunk "
+                     "it received (and added to) at the step before",
+    "gather index": "an off-by-one chunk index in the all-gather? At each step a rank sends on the chunk it "
+                    "received at the step before, starting with the one it reduced",
+    "no all-gather": "is the all-gather phase missing?",
+}
+
+
+def diagnose_counts(counts: list[list[int]] | None, world_size: int) -> str:
+    """Which known mistake makes the probe come out as it did on this rank ("" if none fits)."""
+    if counts is None:
+        return ""
+    rank = dist.get_rank()
+    for mistake, diagnosis in MISTAKES.items():
+        if simulate(world_size, mistake)[rank] == counts and simulate(world_size, "")[rank] != counts:
+            return f"the probe (rank r adds {BASE}**r) matches that mistake exactly: {diagnosis}"
+    return ""
+
+
 def diagnose_ring(result: torch.Tensor, expected: torch.Tensor, mine: torch.Tensor, tol: torch.Tensor,
-                  world_size: int) -> str:
+                  world_size: int, probe: str) -> str:
     """What is wrong with `result`, and the likely mistake."""
     rank, numel = dist.get_rank(), result.numel()
-    wrong = ((result.double() - expected.double()).abs() > tol).view(-1)
+    wrong = ((result.double() - expected.double()).abs() > tol).view(-1).cpu()
     where = (f"{tuple(result.shape)} {str(result.dtype).replace('torch.', '')}: "
              f"{int(wrong.sum())} of {numel} elements differ from dist.all_reduce")
+    if result.isnan().any() and not mine.isnan().any():
+        return f"{where}, and some are NaN - was a buffer read before anything arrived in it (torch.empty)?"
     if torch.equal(result, mine) and world_size > 1:
         return f"{where} - the tensor is unchanged: write the sums into `tensor` itself (in place)"
+    if (result.double() * world_size - expected.double()).abs().max() <= tol.max() * world_size + 1e-6:
+        return f"{where}: they are 1/{world_size} of the sum - ring_all_reduce sums; averaging is the caller's job"
+    if probe:  # the probe matched one known mistake exactly
+        return f"{where} - {probe}"
     covered = world_size * (numel // world_size)
     if numel % world_size and not wrong[:covered].any():
         return (f"{where}, all in the last {numel % world_size} - the remainder chunk dropped? With numel "
@@ -219,16 +345,15 @@ def diagnose_ring(result: torch.Tensor, expected: torch.Tensor, mine: torch.Tens
         return (f"{where}: only chunk {(rank + 1) % world_size}, the one this rank reduced, is right - "
                 f"is the all-gather phase missing?")
     right = ", ".join(str(c) for c, ok in enumerate(good) if ok) or "none"
-    return (f"{where} (chunks right: {right}) - an off-by-one chunk index? "
-            f"At scatter-reduce step s rank r sends chunk (r - s) % N and receives (r - s - 1) % N; at "
-            f"all-gather step s it sends (r + 1 - s) % N and receives (r - s) % N")
+    return (f"{where} (chunks right: {right}) - an off-by-one chunk index? In each phase a rank sends on the "
+            f"chunk it received at the step before")
 
 
-def check_ring(checks: Checks) -> bool:
+def check_ring(checks: Checks, device: torch.device) -> bool:
     """The ring against dist.all_reduce on the same inputs; stops at the first failure."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for shape, dtype in ring_cases(world_size):
-        mine = example(shape, dtype, rank)
+        mine = example(shape, dtype, rank, device)
         expected = mine.clone()
         dist.all_reduce(expected)
         abs_sum = mine.double().abs()
@@ -241,32 +366,50 @@ def check_ring(checks: Checks) -> bool:
         tol = tolerance(dtype, abs_sum, world_size)
         ok = result.dtype == dtype and result.shape == mine.shape and bool(
             ((result.double() - expected.double()).abs() <= tol).all())
-        if not checks.expect(ok, "" if ok else diagnose_ring(result, expected, mine, tol, world_size)):
+        # Every rank must learn whether any rank failed: then all run the probe together.
+        failed = torch.tensor([0 if ok else 1], device=device)
+        dist.all_reduce(failed)
+        if failed.item():
+            probe = diagnose_counts(contributions(world_size, device), world_size)
+            checks.expect(ok, "" if ok else diagnose_ring(result, expected, mine, tol, world_size, probe))
             return False
+        checks.expect(True, "")
     return True
 
 
-def check_training(checks: Checks) -> None:
+def check_training(checks: Checks, device: torch.device) -> None:
     """The home-made DDP against DDP, step by step: same gradients, same weights."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
     data = regression(n=STEPS * world_size * BATCH_PER_RANK)
-    ours = train(make_model(), data, by_hand=True)
-    theirs = train(DDP(make_model()), data, by_hand=False)
-    for step, ((my_grads, my_weights), (ddp_grads, ddp_weights)) in enumerate(zip(ours, theirs)):
-        if not equal_on_all_ranks(my_weights):
-            checks.fail(f"step {step}: the weights differ between ranks - are the gradients averaged "
-                        f"over all ranks (ring_all_reduce on every gradient) before optimizer.step()?")
+    ours = train(make_model().to(device), data, device, by_hand=True)
+    device_ids = [device.index] if device.type == "cuda" else None
+    theirs = train(DDP(make_model().to(device), device_ids=device_ids), data, device, by_hand=False)
+    for step, ((local, my_grads, my_weights), (_, ddp_grads, ddp_weights)) in enumerate(zip(ours, theirs)):
+        if not torch.isfinite(my_grads).all():
+            checks.fail(f"step {step}: the averaged gradients hold NaN or inf")
             return
         # Tolerance: DDP sums the gradients in gloo's order, we in the ring's; float32 rounding
         # differs by about 1e-7 per step, and STEPS steps stay far below 1e-5. Mistakes are > 1e-3.
         gap = max_diff(my_grads, ddp_grads)
         if gap > 1e-5:
             ratio = (my_grads.norm() / ddp_grads.norm()).item()
-            hint = (f"they are {ratio:.2f}x DDP's - did you divide by world_size? DDP averages, "
-                    f"ring_all_reduce only sums" if abs(ratio - world_size) < 0.05 * world_size
-                    else "check how the flat buffer is copied back into each parameter's grad")
+            if world_size > 1 and torch.equal(my_grads, local):
+                hint = ("the gradients are unchanged by average_gradients: the averages never reached p.grad - "
+                        "torch.cat makes a copy, so copy each slice back into its grad in place (g.copy_(...); "
+                        "rebinding a name changes nothing)")
+            elif abs(ratio - world_size) < 0.05 * world_size:
+                hint = (f"they are {ratio:.2f}x DDP's - did you divide by world_size? DDP averages, "
+                        f"ring_all_reduce only sums")
+            elif world_size > 1 and abs(ratio * world_size - 1) < 0.05:
+                hint = f"they are {ratio:.2f}x DDP's - did you divide by world_size twice?"
+            else:
+                hint = ("check how the flat buffer is copied back into each parameter's grad: does the offset "
+                        "advance by each grad's numel()?")
             checks.fail(f"step {step}: the averaged gradients differ from DDP's by {gap:.2e} "
                         f"(tolerance 1e-5): {hint}")
+            return
+        if not equal_on_all_ranks(my_weights):
+            checks.fail(f"step {step}: the weights differ between ranks although the gradients match DDP's")
             return
         gap = max_diff(my_weights, ddp_weights)
         if not checks.expect(gap <= 1e-5, f"step {step}: the weights differ from DDP's by {gap:.2e} "
@@ -276,10 +419,10 @@ def check_training(checks: Checks) -> None:
 
 
 def main(me: Rank, checks: Checks) -> None:
-    if check_ring(checks):
-        print0(f"ring_all_reduce equals dist.all_reduce on {len(ring_cases(dist.get_world_size()))} "
+    if check_chunks(checks, me.device) and check_ring(checks, me.device):
+        print0(f"ring_all_reduce equals dist.all_reduce on {len(ring_cases(me.world_size))} "
                f"shape/dtype cases")
-        check_training(checks)
+        check_training(checks, me.device)
 
 
 # A short timeout (the default is 30 s): a deadlocked ring fails after 10 s instead of hanging.

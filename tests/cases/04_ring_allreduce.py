@@ -2,20 +2,59 @@
 
 from mutation import Mutation
 
+SCATTER = ("        arrived = landing[:chunks[receive].numel()]\n"
+           "        send_right_receive_left(chunks[send], arrived)\n"
+           "        chunks[receive] += arrived\n")
+COPY_BACK = "        g.copy_(flat[offset:offset + g.numel()].view_as(g))\n"
+
 MUTATIONS = [
     Mutation("off-by-one chunk index",
              "send, receive = (rank - step) % world_size, (rank - step - 1) % world_size",
              "send, receive = (rank - step) % world_size, (rank - step + 1) % world_size",
-             "an off-by-one chunk index?", 4),
+             "an off-by-one chunk index", 4),
+    Mutation("off-by-one chunk index in the all-gather",
+             "send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size",
+             "send, receive = (rank - step) % world_size, (rank - step) % world_size",
+             "an off-by-one chunk index in the all-gather?", 3),
     Mutation("remainder chunk dropped",
-             "sizes = [base + (1 if i < extra else 0) for i in range(world_size)]",
-             "sizes = [base for i in range(world_size)]",
-             "the remainder chunk dropped?", 4),
+             "sizes = [base + (1 if i < extra else 0) for i in range(world_size)]\n",
+             "sizes = [base for i in range(world_size)]\n",
+             "the first numel % world_size chunks get one extra element", 4),
+    # REVIEW D: flat.chunk(N) returns fewer than N chunks on small tensors; it crashed with IndexError
+    Mutation("flat.chunk(world_size)",
+             "    return [flat[start:start + size] for start, size in zip(starts, sizes)]\n",
+             "    return list(flat.chunk(world_size))\n",
+             "may return fewer than n", 2),
+    Mutation("chunks are copies",
+             "    return [flat[start:start + size] for start, size in zip(starts, sizes)]\n",
+             "    return [flat[start:start + size].clone() for start, size in zip(starts, sizes)]\n",
+             "the chunks are copies, not views", 3),
     Mutation("no division by world_size", "    flat /= world_size\n", "",
              "did you divide by world_size?", 2),
+    Mutation("division by world_size twice", "    flat /= world_size\n", "    flat /= world_size\n" * 2,
+             "did you divide by world_size twice?", 3),
+    # REVIEW D: torch.cat's copy never written back was blamed on averaging
+    Mutation("torch.cat copy never written back", COPY_BACK, "        g = flat[offset:offset + g.numel()].view_as(g)\n",
+             "torch.cat makes a copy", 2),
+    Mutation("offset never advanced", "        offset += g.numel()\n", "",
+             "does the offset advance", 2),
+    # REVIEW D: receiving into the chunk itself, then adding, was called "off by one"
+    Mutation("receive into the chunk, then +=", SCATTER,
+             "        send_right_receive_left(chunks[send], chunks[receive])\n"
+             "        chunks[receive] += chunks[receive]\n",
+             "did you receive into the chunk itself and then add?", 3),
+    Mutation("all-gather adds instead of replacing",
+             "        send_right_receive_left(chunks[send], chunks[receive])\n",
+             "        arrived = landing[:chunks[receive].numel()]\n"
+             "        send_right_receive_left(chunks[send], arrived)\n"
+             "        chunks[receive] += arrived\n",
+             "It must replace the chunk, not add to it", 3),
+    Mutation("the ring averages", "    return tensor\n\n\n# --- Your part 2",
+             "    tensor /= world_size\n    return tensor\n\n\n# --- Your part 2",
+             "ring_all_reduce sums; averaging is the caller's job", 4),
     Mutation("blocking recv before send deadlocks",
-             "    requests = [dist.isend(outgoing, dst=right), dist.irecv(incoming, src=left)]\n"
-             "    for request in requests:\n        request.wait()\n",
+             "    ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]\n"
+             "    for request in dist.batch_isend_irecv(ops):\n        request.wait()\n",
              "    dist.recv(incoming, src=left)\n    dist.send(outgoing, dst=right)\n",
              "likely a deadlock", 2),
     Mutation("all-gather phase missing",
