@@ -48,19 +48,22 @@ class LossScaler:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss multiplied by the current scale: its backward gives scaled gradients."""
-        # TODO: return the loss multiplied by self.scale_value
+        # (stuck? `make hint CH=09` prints hint 1 of 1; run it again for the next)
+        # TODO: return the loss to backpropagate, such that every gradient comes out multiplied by the current scale
         raise NotImplementedError("the TODO above")
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide, in place, every gradient of the optimizer's parameters by the scale; set
         self.found_inf to whether any gradient holds an inf or a NaN; set self.unscaled."""
-        # TODO: loop over optimizer.param_groups -> group["params"]; for each p with a grad: p.grad.div_(scale), then test it with torch.isfinite
+        # (stuck? `make hint CH=09` prints hint 1 of 2; run it again for the next)
+        # TODO: divide, in place, every gradient the optimizer will use by the current scale; set self.found_inf to whether any of them holds an inf or a NaN, and self.unscaled
         raise NotImplementedError("the TODO above")
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale first if unscale_ was not called in this iteration; then call optimizer.step()
         only if every gradient was finite (otherwise the step is skipped)."""
-        # TODO: if not self.unscaled, call self.unscale_(optimizer); call optimizer.step() only when not self.found_inf
+        # (stuck? `make hint CH=09` prints hint 1 of 2; run it again for the next)
+        # TODO: update the weights only with finite, unscaled gradients: unscale unless that already happened in this iteration, and skip the optimizer's step when an inf or a NaN was found
         raise NotImplementedError("the TODO above")
 
     def update(self) -> None:
@@ -68,7 +71,8 @@ class LossScaler:
         inf or NaN found -> scale *= backoff_factor and the count of clean steps restarts at 0;
         otherwise count this clean step, and at growth_interval clean steps in a row
         scale *= growth_factor and the count restarts at 0."""
-        # TODO: backoff on inf/NaN (and reset self.clean_steps); else count the clean step and grow when the count reaches growth_interval; then reset found_inf and unscaled
+        # (stuck? `make hint CH=09` prints hint 1 of 2; run it again for the next)
+        # TODO: set the scale for the next iteration exactly as GradScaler does (backoff after an inf or a NaN, growth after growth_interval clean steps in a row), then forget this iteration's state
         raise NotImplementedError("the TODO above")
 
 
@@ -76,6 +80,7 @@ class LossScaler:
 
 STEPS = 24
 INIT_SCALE, GROWTH_INTERVAL = 2.0**12, 3
+GROWTH, BACKOFF = 4.0, 0.25  # not GradScaler's defaults (2, 0.5): fixed numbers in update() would pass those
 # Planted steps: an inf, a NaN, and gradients of 1e36, finite in float32 but inf once multiplied
 # by any scale above about 340: the scaler must skip and back off at each of them.
 PLANTED = {4: "an inf", 9: "a NaN", 15: "an overflow", 16: "an overflow", 17: "an overflow"}
@@ -92,15 +97,16 @@ def gradient_sequence(seed: int) -> list[torch.Tensor]:
 
 
 def replay(scaler, grads: list[torch.Tensor]) -> tuple[list[float], list[bool], list[torch.Tensor]]:
-    """Train one parameter vector with SGD on the loss sum(p * g_t), whose gradient is g_t, through
-    `scaler` (the usual order: scale, backward, unscale_, step, update). Returns the scale after
-    every update, whether every step was skipped (weights unchanged), and the weights after it."""
+    """Train one parameter vector with SGD on a loss whose gradient is g_t, through `scaler` (the
+    usual order: scale, backward, unscale_, step, update). The loss's value is 0 while g_t is finite:
+    whether to skip must come from the gradients, never from the loss. Returns the scale after every
+    update, whether every step was skipped (weights unchanged), and the weights after it."""
     p = nn.Parameter(torch.ones(6))
     optimizer = torch.optim.SGD([p], lr=0.1)
     scales, skipped, weights = [], [], []
     for g in grads:
         optimizer.zero_grad()
-        scaler.scale((p * g).sum()).backward()
+        scaler.scale((p * g).sum() - (p.detach() * g).sum()).backward()
         scaler.unscale_(optimizer)  # where gradient clipping would go
         before = p.detach().clone()
         scaler.step(optimizer)
@@ -111,11 +117,47 @@ def replay(scaler, grads: list[torch.Tensor]) -> tuple[list[float], list[bool], 
     return scales, skipped, weights
 
 
+def scale_variants(grads: list[torch.Tensor]) -> dict[str, tuple[list[float], str]]:
+    """The scale after every step as the classic update() mistakes compute it (one pass each, the
+    skips following from the scale as in a real run), with the hint for each."""
+    kinds = {
+        "no reset after growth": "after a growth the count of clean steps must restart at 0 as well",
+        "grows one step late": "grow when the count of clean steps in a row reaches growth_interval "
+                               f"({GROWTH_INTERVAL}), not one step later",
+        "grows one step early": f"grow when the count of clean steps reaches growth_interval ({GROWTH_INTERVAL}), "
+                                f"not one step earlier",
+        "no reset after a skip": "after a skipped step the count of clean steps must restart at 0",
+        "fixed factors": f"your scale moves by 2 and 0.5: use self.growth_factor and self.backoff_factor "
+                         f"(here {GROWTH:g} and {BACKOFF:g}), not GradScaler's default numbers",
+    }
+    out = {}
+    for kind, hint in kinds.items():
+        scale, count, scales = INIT_SCALE, 0, []
+        grow, back = (2.0, 0.5) if kind == "fixed factors" else (GROWTH, BACKOFF)
+        for g in grads:
+            if not bool(torch.isfinite(g * scale).all()):
+                scale *= back
+                count = 0 if kind != "no reset after a skip" else count
+            else:
+                count += 1
+                due = {"grows one step late": count == GROWTH_INTERVAL + 1,
+                       "grows one step early": count == GROWTH_INTERVAL - 1}.get(kind, count == GROWTH_INTERVAL)
+                if due:
+                    scale *= grow
+                    count = count if kind == "no reset after growth" else 0
+            scales.append(scale)
+        out[kind] = (scales, hint)
+    return out
+
+
 def diagnose_replay(mine, ref, grads) -> str | None:
     """The first step where the two runs part, and the likely mistake; None when they agree."""
     (scales, skipped, weights), (ref_scales, ref_skipped, ref_weights) = mine, ref
     for t in range(STEPS):
         what = f"step {t}" + (f" ({PLANTED[t]} in the gradients)" if t in PLANTED else "")
+        nan = not bool(torch.isfinite(weights[t]).all())
+        if nan:  # NaN is a finding of its own; the cause follows
+            what += ": your weights are NaN or inf after it"
         if skipped[t] != ref_skipped[t]:
             if not ref_skipped[t]:
                 return (f"{what}: your scaler skipped a step whose gradients were finite - is found_inf "
@@ -123,8 +165,15 @@ def diagnose_replay(mine, ref, grads) -> str | None:
             if PLANTED.get(t) == "a NaN":
                 return (f"{what}: GradScaler skips it, yours took the step - a NaN is not an inf: test the "
                         f"gradients with torch.isfinite, not torch.isinf")
+            if PLANTED.get(t) == "an overflow":
+                return (f"{what}: GradScaler skips it, yours took the step - the scaled gradients overflowed to "
+                        f"inf while the loss stayed finite: test every gradient (after backward, in unscale_), "
+                        f"not the loss")
             return (f"{what}: GradScaler skips it, yours took the step - step() must not call "
                     f"optimizer.step() when unscale_ found an inf or a NaN")
+        if nan:
+            return (f"{what} - the optimizer stepped with gradients that were not finite: step() must skip "
+                    f"when unscale_ found an inf or a NaN")
         if not skipped[t]:
             # Tolerance: the scales are powers of 2, so scaling and unscaling are exact; only SGD's
             # own float32 arithmetic could differ, and it is the same in both runs.
@@ -135,7 +184,8 @@ def diagnose_replay(mine, ref, grads) -> str | None:
                 ratio = float(moved / ref_moved)
                 if ratio > 2:
                     hint = ("the step used gradients still multiplied by the scale - unscale_ must divide "
-                            "every p.grad by the scale")
+                            "every p.grad by the scale, in place (p.grad.div_: a divided copy in a local "
+                            "variable is lost)")
                 elif ratio < 0.5:
                     hint = ("the gradients were divided by the scale twice - step() must not unscale again "
                             "when unscale_ already ran in this iteration")
@@ -144,6 +194,10 @@ def diagnose_replay(mine, ref, grads) -> str | None:
                 return f"{what}: your weights differ from GradScaler's by {gap:.2e} (tolerance 1e-6): {hint}"
         if scales[t] != ref_scales[t]:
             before = ref_scales[t - 1] if t else INIT_SCALE
+            known = next((hint for kind, (trajectory, hint) in scale_variants(grads).items()
+                          if trajectory[:t + 1] == scales[:t + 1]), None)
+            if known:
+                return f"{what}: your scale is {scales[t]:g}, GradScaler's {ref_scales[t]:g} - {known}"
             if ref_skipped[t] and scales[t] >= before:
                 return (f"{what}: the scale did not back off after a skipped step (yours {scales[t]:g}, "
                         f"GradScaler's {ref_scales[t]:g}) - on inf or NaN multiply it by backoff_factor")
@@ -151,7 +205,7 @@ def diagnose_replay(mine, ref, grads) -> str | None:
                 return (f"{what}: your scale grew to {scales[t]:g} too early (GradScaler: {ref_scales[t]:g}) - "
                         f"after a skipped step the count of clean steps must restart at 0")
             return (f"{what}: your scale is {scales[t]:g}, GradScaler's {ref_scales[t]:g} - grow when the count "
-                    f"of clean steps in a row reaches growth_interval ({GROWTH_INTERVAL}), not one step later")
+                    f"of clean steps in a row reaches growth_interval ({GROWTH_INTERVAL})")
     return None
 
 
@@ -161,11 +215,11 @@ def check_replay(checks: Checks) -> None:
                                                     f"of {INIT_SCALE:g} - return loss * self.scale_value"):
         return
     grads = gradient_sequence(seed=dist.get_rank())  # each rank tries its own sequence
-    mine = replay(LossScaler(INIT_SCALE, growth_interval=GROWTH_INTERVAL), [g.clone() for g in grads])
-    ref = replay(torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
-                 [g.clone() for g in grads])
+    factors = dict(growth_factor=GROWTH, backoff_factor=BACKOFF, growth_interval=GROWTH_INTERVAL)
+    mine = replay(LossScaler(INIT_SCALE, **factors), [g.clone() for g in grads])
+    ref = replay(torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, **factors), [g.clone() for g in grads])
     problem = diagnose_replay(mine, ref, grads)
-    checks.expect(problem is None, f"rank {dist.get_rank()}, gradient replay: {problem}")
+    checks.expect(problem is None, f"gradient replay: {problem}")
     if problem is None and dist.get_rank() == 0:
         print(f"replay: scales {' '.join(f'{s:g}' for s in ref[0])}")
         print(f"replay: skipped steps {[t for t, s in enumerate(ref[1]) if s]} - the same in both scalers")
@@ -205,14 +259,39 @@ def check_ddp(checks: Checks, device: torch.device) -> None:
     rank = dist.get_rank()
     mine, my_weights = train_amp(LossScaler(2.0**20, growth_interval=2), device)
     ref, ref_weights = train_amp(torch.amp.GradScaler(device.type, init_scale=2.0**20, growth_interval=2), device)
-    checks.expect(mine == ref, f"rank {rank}, DDP + autocast: your scales {mine} differ from GradScaler's {ref}")
+    finite = bool(torch.isfinite(my_weights).all())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (finite, mine))
+    if not finite:  # NaN is a finding of its own, whatever the other ranks hold
+        backed_off = mine[POISONED_STEP] < (mine[POISONED_STEP - 1] if POISONED_STEP else 2.0**20)
+        if backed_off:
+            cause = ("your scaler found the NaN (the scale backed off) yet stepped: step() must not call "
+                     "optimizer.step() when unscale_ found an inf or a NaN")
+        else:
+            cause = ("your scaler never noticed the NaN (the scale did not back off): either step() does not "
+                     "unscale (and test) again in a later iteration - does update() reset self.unscaled? - "
+                     "or the test misses NaN (torch.isfinite, not torch.isinf)")
+        checks.fail(f"DDP + autocast: your weights are NaN or inf after the {TRAIN_STEPS} steps (step "
+                    f"{POISONED_STEP} had NaN gradients on every rank after DDP's all-reduce): {cause}")
+        return
+    checks.expect(mine == ref, f"DDP + autocast: your scales {mine} differ from GradScaler's {ref}")
     # Tolerance: the two runs do the same float operations; scales are powers of 2 (exact).
     gap = max_diff(my_weights, ref_weights)
-    checks.expect(gap <= 1e-6, f"rank {rank}, DDP + autocast: weights differ from GradScaler's run by {gap:.2e} "
-                               f"(tolerance 1e-6)")
+    if mine == ref and gap > 1e-6:
+        checks.fail(f"DDP + autocast: the scales agree, yet the weights differ from GradScaler's run by {gap:.2e} "
+                    f"(tolerance 1e-6): the optimizer saw gradients not divided by the scale exactly once - does "
+                    f"step() unscale when the loop never calls unscale_ (is self.unscaled reset by update())?")
+    else:
+        checks.expect(gap <= 1e-6, f"DDP + autocast: weights differ from GradScaler's run by {gap:.2e} "
+                                   f"(tolerance 1e-6)")
     same = all(max_diff(my_weights, w.cpu()) == 0 for w in all_gather_tensor(my_weights.to(device)))
-    checks.expect(same, f"rank {rank}: the weights differ between ranks after the poisoned step - every rank "
-                        f"must skip the same steps")
+    if not same and len({tuple(s) for _, s in every}) > 1:
+        checks.fail("the ranks' scales and weights differ after the poisoned step: only some ranks skipped it - "
+                    "every rank must decide from its gradients (after DDP's all-reduce all are NaN), not from its "
+                    "own loss or input")
+    else:
+        checks.expect(same, "the weights differ between ranks after the poisoned step - every rank must skip "
+                            "the same steps")
     if rank == 0 and mine == ref:
         print(f"DDP + fp16 autocast on {device.type}: scales {' '.join(f'{s:g}' for s in ref)} "
               f"(step {POISONED_STEP} poisoned on rank {dist.get_world_size() - 1}, skipped on every rank)")
