@@ -17,7 +17,6 @@ export OMP_NUM_THREADS ?= 1
 chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
 # pip, minus the warnings about package mirrors that this machine's pip.conf names but lacks
 PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
-TORCHRUN = $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
 .PHONY: help setup lab hint solution test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench
 
@@ -36,14 +35,16 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 
 lab: setup ## run your lab:       make lab CH=01 NPROC=4
 	@test -n "$(call chapter_file,labs)" || { echo "no lab for chapter $(CH) in labs/"; exit 2; }
-	$(TORCHRUN) $(call chapter_file,labs)
+	@echo "torchrun --standalone --nproc-per-node $(NPROC) $(call chapter_file,labs)"
+	@$(PY) -m ringside $(NPROC) $(call chapter_file,labs)
 
 hint: setup ## a hint for your first open TODO: make hint CH=04 (again: the next hint)
 	@$(PY) -m tools.labgen --hint $(CH)
 
 solution: setup ## run the solution:  make solution CH=01 NPROC=4
 	@test -n "$(call chapter_file,solutions)" || { echo "no solution for chapter $(CH)"; exit 2; }
-	$(TORCHRUN) $(call chapter_file,solutions)
+	@echo "torchrun --standalone --nproc-per-node $(NPROC) $(call chapter_file,solutions)"
+	@$(PY) -m ringside $(NPROC) $(call chapter_file,solutions)
 
 # JUPYTER_PATH puts the .venv's kernel first, so "Python 3" is the course's Python even where a
 # personal python3 kernel exists; OMP_NUM_THREADS=1 (exported above) reaches the kernel and its

@@ -124,19 +124,42 @@ def report(checks: Checks, title: str, timeout: timedelta = DEFAULT_TIMEOUT) -> 
     failing = [r for r, (count, failures) in enumerate(verdicts) if failures or count == 0]
     if checks.rank == 0:
         print(f"\n== {title}: self-check on {len(verdicts)} ranks ==")
-        for rank, (count, failures) in enumerate(verdicts):
-            if not failures and count == 0:
-                print(f"rank {rank}: FAIL - no check ran")
-            for diagnosis in failures:
-                print(f"rank {rank}: FAIL - {diagnosis}")
-            if rank not in failing:
-                print(f"rank {rank}: PASS ({count} checks)")
+        for line in verdict_lines(verdicts):
+            print(line)
         if failing:
             print(f"{len(failing)} of {len(verdicts)} ranks FAIL: fix the first message above and run again.")
         else:
             print(f"All {len(verdicts)} ranks PASS.")
         flush()
     return EXIT_FAIL if failing else EXIT_PASS
+
+
+def ranks_label(ranks: list[int]) -> str:
+    """[0] -> "rank 0"; [0, 1, 2, 3] -> "ranks 0-3"; [0, 2] -> "ranks 0, 2"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def verdict_lines(verdicts: list[tuple[int, list[str]]]) -> list[str]:
+    """One line per distinct verdict, with the ranks that share it, in order of first appearance:
+    "ranks 0-3: FAIL - ..." rather than the same diagnosis four times. A diagnosis that starts by
+    naming its own rank loses that prefix (the line names the ranks already)."""
+    shared: dict[str, list[int]] = {}
+    for rank, (count, failures) in enumerate(verdicts):
+        if not failures and count == 0:
+            shared.setdefault("FAIL - no check ran", []).append(rank)
+        for diagnosis in failures:
+            for prefix in (f"rank {rank}: ", f"rank {rank}, ", f"Rank {rank}: ", f"Rank {rank}, "):
+                if diagnosis.startswith(prefix):
+                    diagnosis = diagnosis[len(prefix):]
+            shared.setdefault(f"FAIL - {diagnosis}", []).append(rank)
+        if failures or count == 0:
+            continue
+        shared.setdefault(f"PASS ({count} checks)", []).append(rank)
+    return [f"{ranks_label(ranks)}: {verdict}" for verdict, ranks in shared.items()]
 
 
 def run_lab(
