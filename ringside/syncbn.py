@@ -11,7 +11,7 @@ and bias gradients stay local, as in PyTorch's own: DDP averages them like any o
 Chapter 07 derives it by hand; chapter 11 trains with it. Why a second copy of lab 07's answer:
 the capstone must run before the learner has finished lab 07, so it cannot import the learner's
 file, and this one adds what a real model needs (a module with running statistics, eval mode,
-momentum=None, the converter); the Function itself is the lab's, checked against it by tests.
+momentum=None, the converter). tests/test_11_capstone.py holds it to BatchNorm on the gathered batch.
 """
 
 from __future__ import annotations
