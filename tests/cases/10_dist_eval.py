@@ -3,8 +3,24 @@
 from mutation import Mutation
 
 MUTATIONS = [
-    Mutation("padded duplicates counted", "real = positions < n_samples", "real = positions >= 0",
+    Mutation("padded duplicates counted", "            real = positions < n_samples\n",
+             "            real = positions >= 0\n",
              "you counted the padded duplicates", 4),
+    Mutation("positions without the running offset",
+             "positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)",
+             "positions = rank + world_size * torch.arange(len(y), device=device)",
+             "the position of a sample continues across batches", 4),
+    Mutation("positions without the rank",
+             "positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)",
+             "positions = world_size * torch.arange(seen, seen + len(y), device=device)",
+             "the positions leave out the rank", 4),
+    Mutation("positions of contiguous shards",
+             "positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)",
+             "positions = rank * len(loader.sampler) + torch.arange(seen, seen + len(y), device=device)",
+             "the positions assume contiguous shards", 4),
+    Mutation("padding counted in the count only", "sums[1] += real.sum()", "sums[1] += len(y)",
+             "the count includes the padding copies", 3),
+    Mutation("no model.eval()", "    model.eval()\n", "", "call model.eval()", 2),
     Mutation("per-rank accuracies averaged",
              "    totals = sums.clone()\n    dist.all_reduce(totals, op=dist.ReduceOp.SUM)\n"
              "    correct, count, loss_sum = totals.tolist()\n    return correct / count, loss_sum / count\n",
@@ -13,6 +29,10 @@ MUTATIONS = [
              "you averaged the per-rank accuracies", 4),
     Mutation("no all_reduce", "    dist.all_reduce(totals, op=dist.ReduceOp.SUM)\n", "",
              "all_reduce the sums over all ranks", 2),
+    Mutation("MAX instead of SUM", "    dist.all_reduce(totals, op=dist.ReduceOp.SUM)\n",
+             "    dist.all_reduce(totals, op=dist.ReduceOp.MAX)\n", "not MAX", 3),
+    Mutation("all_reduce on the caller's tensor", "    totals = sums.clone()\n", "    totals = sums\n",
+             "exact_metrics changed its argument `sums` in place", 2),
     Mutation("batch mean losses added up", "sums[2] += losses[real].double().sum()",
              "sums[2] += losses[real].double().mean()", "per-sample losses, reduction='none'", 2),
 ]
