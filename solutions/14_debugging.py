@@ -19,6 +19,7 @@ Run it with 4 processes (2, 3 and 4 are accepted):
 # SOLUTION FILE
 
 import faulthandler
+import hashlib
 import inspect
 import os
 import pickle
@@ -45,9 +46,9 @@ N_TRAIN = 96  # divisible by 2, 3 and 4: every rank gets an equal shard of the t
 STEPS = 9  # job 1: full-batch steps
 LOG_EVERY = 4  # job 1: log the loss at steps 0, 4, 8
 LR = 0.1
-N_VAL = 1001  # job 2: 1001 samples do not divide by 2, 3 or 4
+N_VAL = 1001  # job 2: validation samples
 BATCH = 4  # job 3: samples per rank and step
-BAD_SAMPLE = 37  # job 3: a corrupt record (37 % 2 == 37 % 3 == 37 % 4 == 1)
+BAD_SAMPLE = 37  # job 3: the index of a corrupt record
 
 
 # -- what the three jobs share (correct as it is) ----------------------------------------------
@@ -282,22 +283,29 @@ def check_job1(me: Rank, checks: Checks) -> None:
         checks.fail("job1_fixed: the weights hold NaN")
     checks.expect(close(w, ref_w), "job1_fixed: the weights differ from full-batch gradient descent "
                                    "in one process - change only the logging, not the training step")
-    if me.is_main:
-        if len(logged) != len(ref_logged):
-            checks.fail(f"job1_fixed: rank 0 logged {len(logged)} losses, expected {len(ref_logged)} "
-                        f"(steps 0, {LOG_EVERY}, {2 * LOG_EVERY})")
-        else:
-            got, want = torch.tensor(logged), torch.tensor(ref_logged)
-            ratio = (got / want).mean().item()
-            if close(got, want):
-                checks.expect(True, "")
-            elif abs(ratio - me.world_size) < 1e-3:
-                checks.fail(f"job1_fixed: the logged losses are {me.world_size}x too large - the "
-                            f"all_reduce adds the ranks' losses: divide by world_size")
-            else:
-                checks.fail(f"job1_fixed: rank 0 logged {[round(v, 4) for v in logged]}, expected the "
-                            f"mean over ranks {[round(v, 4) for v in ref_logged]} - did every rank's "
-                            f"loss enter the all_reduce?")
+    shared = [logged]  # rank 0's log, which is the one that counts, checked on every rank
+    dist.broadcast_object_list(shared, src=0)
+    logged = shared[0]
+    if not isinstance(logged, list) or len(logged) != len(ref_logged):
+        checks.fail(f"job1_fixed: rank 0 logged {logged!r}, expected {len(ref_logged)} losses "
+                    f"(steps 0, {LOG_EVERY}, {2 * LOG_EVERY})")
+        return
+    try:
+        got = torch.tensor([float(v) for v in logged], dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        checks.fail(f"job1_fixed: rank 0 logged {logged!r}, expected numbers (use .item())")
+        return
+    want = torch.tensor(ref_logged, dtype=torch.float64)
+    ratio = (got / want).mean().item()
+    if close(got, want):
+        checks.expect(True, "")
+    elif abs(ratio - me.world_size) < 1e-3:
+        checks.fail(f"job1_fixed: the logged losses are {me.world_size}x too large - the "
+                    f"all_reduce adds the ranks' losses: divide by world_size")
+    else:
+        checks.fail(f"job1_fixed: rank 0 logged {[round(v, 4) for v in logged]}, expected the "
+                    f"mean over ranks {[round(v, 4) for v in ref_logged]} - did every rank's "
+                    f"loss enter the all_reduce?")
 
 
 def check_job2(me: Rank, checks: Checks) -> None:
@@ -344,21 +352,25 @@ def check_job3(me: Rank, checks: Checks) -> None:
         checks.expect(True, "")
 
 
-FAULTS = {  # the lines where each broken job goes wrong (any one of them is a right answer)
-    "job1": (job1_broken, lambda world_size: 0,
-             {"if me.is_main and step % LOG_EVERY == 0:", "dist.all_reduce(loss)"},
-             "which rank sits in a collective that the others never call? Dump every rank's stack "
-             "(kill -USR1) and read them side by side"),
-    "job2": (job2_broken, lambda world_size: world_size - 1,
-             {"dist.all_gather(gathered, errors)",
-              "x, y = x.chunk(me.world_size)[me.rank], y.chunk(me.world_size)[me.rank]"},
-             "whose tensor has a shape unlike the others'? TORCH_DISTRIBUTED_DEBUG=DETAIL prints "
-             "every rank's shapes"),
-    "job3": (job3_broken, lambda world_size: BAD_SAMPLE % world_size,
-             {'raise FloatingPointError(f"the loss is {loss.item()} at sample {start} of my shard")',
-              "if not torch.isfinite(loss):"},
-             "which rank raised first? The others only timed out waiting for it: look for the "
-             "first traceback, not the last"),
+def fingerprint(*parts) -> str:
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+# The answers, kept as fingerprints (job, world size, rank) and (job, line) so that reading the
+# check does not give them away. Each job accepts either of two lines.
+FAULT_RANKS = {"ac3bf3a074ee5aa2", "ddbb76a1bcaeaac3", "582af1946f95a8a0", "3b09f505ed279966",
+               "145ce290f9e60f15", "b1534717631c25a8", "b348fa9cbdb8aaf0", "a3a8bf0e25ae1bc1",
+               "b825ac24c31f3306"}
+FAULT_LINES = {"job1": {"cccaef81f6132e62", "6571be5438b66085"},
+               "job2": {"a296c32b6a7938a6", "f5d6d5d12312807f"},
+               "job3": {"ede296f9ac1e41b0", "5311414388c0de77"}}
+HOW_TO_FIND = {
+    "job1": (job1_broken, "which rank sits in a collective that the others never call? Dump every "
+                          "rank's stack (kill -USR1) and read them side by side"),
+    "job2": (job2_broken, "whose tensor has a shape unlike the others'? TORCH_DISTRIBUTED_DEBUG=DETAIL "
+                          "prints every rank's shapes"),
+    "job3": (job3_broken, "which rank raised first? The others only timed out waiting for it: look "
+                          "for the first traceback, not the last"),
 }
 
 
@@ -371,20 +383,20 @@ def check_diagnoses(me: Rank, checks: Checks) -> None:
     if not isinstance(found, dict):
         checks.fail(f"diagnose returned {type(found).__name__}, expected a dict with keys job1, job2, job3")
         return
-    for job, (broken, fault_rank, fault_lines, hint) in FAULTS.items():
+    for job, (broken, hint) in HOW_TO_FIND.items():
         entry = found.get(job)
         if not isinstance(entry, dict) or not {"rank", "line", "cause"} <= set(entry):
             checks.fail(f"diagnosis of {job}: expected {{'rank': ..., 'line': ..., 'cause': ...}}, got {entry!r}")
             continue
         source = {normalized(line) for line in inspect.getsource(broken).splitlines()}
         line = normalized(entry["line"])
-        if entry["rank"] != fault_rank(me.world_size):
+        if fingerprint(job, me.world_size, entry["rank"]) not in FAULT_RANKS:
             checks.fail(f"diagnosis of {job}: rank {entry['rank']!r} is not the rank at fault at "
                         f"{me.world_size} ranks - {hint}")
         elif line not in source or not line:
             checks.fail(f"diagnosis of {job}: {entry['line']!r} is not a line of {broken.__name__}: "
                         f"copy the faulty line as it stands")
-        elif line not in {normalized(fault) for fault in fault_lines}:
+        elif fingerprint(job, line) not in FAULT_LINES[job]:
             checks.fail(f"diagnosis of {job}: the line {entry['line']!r} runs the same on every rank "
                         f"and is not where the ranks part ways - {hint}")
         elif len(str(entry["cause"]).split()) < 4:
