@@ -379,10 +379,10 @@ def check_state(checks: Checks, me: Rank, optimizer: ShardedAdam, params, adam_b
     # About 1/N: the two moments of one shard; the padding adds at most N - 1 elements per moment.
     ok = mine * me.world_size <= adam_bytes + 2 * 4 * me.world_size * (me.world_size - 1) and mine > 0
     if not ok and mine >= adam_bytes:
-        return checks.expect(False, f"rank {me.rank}'s optimizer holds {mine} bytes, as much as Adam for the whole "
+        return checks.expect(False, f"your optimizer holds {mine} bytes on this rank, as much as Adam for the whole "
                                     f"model ({adam_bytes}): keep exp_avg and exp_avg_sq for this rank's shard "
                                     f"only ({shard} elements each), not for all parameters")
-    return checks.expect(ok, f"rank {me.rank}'s optimizer holds {mine} bytes; about 1/{me.world_size} of Adam's "
+    return checks.expect(ok, f"your optimizer holds {mine} bytes on this rank; about 1/{me.world_size} of Adam's "
                              f"{adam_bytes} is expected (two moments of {shard} elements)")
 
 
