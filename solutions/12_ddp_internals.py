@@ -247,18 +247,24 @@ def check_buckets(checks: Checks, params: list, buckets) -> bool:
         checks.fail(f"make_buckets returned {type(buckets).__name__}, not a list of lists of indices")
         return False
     missing = sorted(set(range(n)) - set(flat))
-    if missing or len(flat) != n or sorted(flat) != list(range(n)):
-        repeated = sorted({i for i in flat if flat.count(i) > 1})
-        checks.fail(f"the buckets hold indices {flat} for {n} parameters: "
-                    + (f"parameter(s) {missing} are in no bucket, so their gradients are never averaged "
-                       f"(an off-by-one in the reversed range?)" if missing else
-                       f"parameter(s) {repeated} are in two buckets") + " - every index must be in exactly one bucket")
+    strange = sorted(set(flat) - set(range(n)))
+    repeated = sorted({i for i in flat if flat.count(i) > 1})
+    if missing or strange or repeated:
+        found = (f"parameter(s) {missing} are in no bucket, so their gradients are never averaged (an off-by-one "
+                 f"in the reversed range?)" if missing else
+                 f"index(es) {strange} are not parameter indices (0 to {n - 1})" if strange else
+                 f"parameter(s) {repeated} are in more than one bucket")
+        checks.fail(f"the buckets hold indices {flat} for {n} parameters: {found} - every index must be in exactly "
+                    f"one bucket")
         return False
     if flat != list(reversed(range(n))):
-        first = "parameter 0 (the first layer) comes first" if flat[0] == 0 else f"the order is {flat}"
-        checks.fail(f"buckets in forward order: {first}, but backward produces the last layer's gradients "
-                    f"first - fill buckets in reverse registration order, or the first bucket is only "
-                    f"complete when backward ends and nothing overlaps")
+        if flat == list(range(n)):
+            checks.fail("buckets in forward order: parameter 0 (the first layer) comes first, but backward produces "
+                        "the last layer's gradients first - fill buckets in reverse registration order, or the "
+                        "first bucket is only complete when backward ends and nothing overlaps")
+        else:
+            checks.fail(f"the buckets hold the parameters in the order {flat}, expected reverse registration order "
+                        f"{list(reversed(range(n)))}: backward produces the last layer's gradients first")
         return True
     sizes = [sum(params[i].numel() for i in bucket) for bucket in buckets]
     for b, bucket in enumerate(buckets):
@@ -280,8 +286,8 @@ def check_async(checks: Checks, events: list, rank: int) -> None:
                     f"hook, so backward waits for the network: launch it asynchronously and wait later")
 
 
-def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> None:
-    """Read the recorded order of events, window by window."""
+def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> bool:
+    """Read the recorded order of events, window by window. False at the first finding."""
     windows, current = [], []
     for event in events:
         if event[0] == "window end":
@@ -300,13 +306,13 @@ def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> Non
         segments.append(micro)
         if len(segments) != ACCUM:
             checks.fail(f"rank {rank}, window {w}: {len(segments)} forward passes, expected {ACCUM} micro-batches")
-            return
+            return False
         early = sum(e[0] == "launch" for s in segments[:-1] for e in s)
         if early:
             checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {ACCUM - 1} micro-batches "
                         f"- reducing during accumulation wastes {ACCUM - 1} of every {ACCUM} communications: "
                         f"inside no_sync() the hook must do nothing")
-            return
+            return False
         last = segments[-1]
         launches = [i for i, e in enumerate(last) if e[0] == "launch"]
         readies = [i for i, e in enumerate(last) if e[0] == "ready"]
@@ -318,26 +324,29 @@ def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> Non
                     " - are the per-bucket ready counts reset after each launch?" if w > 1 else "")
             checks.fail(f"rank {rank}, window {w}: {len(launches)} all-reduces on the last micro-batch, expected one "
                         f"per bucket ({n_buckets}){hint}")
-            return
+            return False
         if waits and readies and waits[0] < readies[-1]:
             checks.fail(f"rank {rank}, window {w}: waited for an all-reduce while gradients were still arriving "
                         f"- waiting inside the hook stalls backward; keep the Work and wait in "
                         f"finish_gradient_sync()")
-            return
+            return False
         if launches[0] > readies[-1]:
             checks.fail(f"rank {rank}, window {w}: every all-reduce started after the last gradient was ready - "
                         f"nothing overlaps backward: launch a bucket from the hook as soon as it is full")
-            return
+            return False
         if len(waits) != n_buckets:
             checks.fail(f"rank {rank}, window {w}: waited {len(waits)} times for {n_buckets} all-reduces - "
                         + ("never waited: call work.wait() on every pending all-reduce before the step"
                            if not waits else "empty the pending list after each window"))
-            return
-        if not steps or steps[0] < waits[-1]:
+            return False
+        if not steps:
+            checks.fail(f"rank {rank}, window {w}: optimizer.step() was never called at the end of the window")
+            return False
+        if steps[0] < waits[-1]:
             checks.fail(f"rank {rank}, window {w}: the optimizer stepped before every all-reduce was waited on - "
                         f"call finish_gradient_sync() before optimizer.step()")
-            return
-    checks.expect(len(windows) == WINDOWS, f"rank {rank}: {len(windows)} windows trained, expected {WINDOWS}")
+            return False
+    return checks.expect(len(windows) == WINDOWS, f"rank {rank}: {len(windows)} windows trained, expected {WINDOWS}")
 
 
 def check_gradients(checks: Checks, names: list[str], mine: list, reference: list, local: list,
@@ -347,6 +356,9 @@ def check_gradients(checks: Checks, names: list[str], mine: list, reference: lis
     # rounding (relative 1e-6); the mistakes (x2, /2, a rank's own gradient) are off by 30% or more.
     def close(a, b):
         return torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    if len(mine) != len(reference):
+        return checks.expect(False, f"rank {rank}: no gradients were seen before the first optimizer step")
 
     for name, g, ref, own in zip(names, mine, reference, local):
         if g is None:
@@ -426,7 +438,7 @@ def main(me: Rank, checks: Checks) -> None:
     if not check_buckets(checks, params, buckets):
         return
     hand = HandDDP(model)
-    print0(f"{len(params)} parameters in {len(hand.buckets)} buckets (reverse order): {hand.buckets}")
+    print0(f"{len(params)} parameters in {len(hand.buckets)} buckets: {hand.buckets}")
     grads = []
 
     def grab():
@@ -438,8 +450,10 @@ def main(me: Rank, checks: Checks) -> None:
         check_async(checks, events, me.rank)  # a blocking all_reduce returns no Work to wait on
         raise
     check_async(checks, events, me.rank)
-    check_events(checks, events, len(hand.buckets), me.rank)
-    if check_gradients(checks, names, grads, ref_grads, own_grads, me.world_size, me.rank):
+    # The gradients are compared only when the order of events is right: a step taken before the
+    # wait, say, would also show up as wrong gradients, and the first finding is the one to fix.
+    if (check_events(checks, events, len(hand.buckets), me.rank)
+            and check_gradients(checks, names, grads, ref_grads, own_grads, me.world_size, me.rank)):
         check_weights(checks, model, ref_weights, me.rank)
     launches = sum(e[0] == "launch" for e in events)
     print0(f"{WINDOWS} steps of {ACCUM} micro-batches: {launches} all-reduces on rank 0 "
