@@ -6,7 +6,6 @@ Run it with 4 processes:
 """
 # SOLUTION FILE
 
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -17,9 +16,12 @@ from ringside import Checks, Rank, print0, run_lab
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:
     """Like dist.broadcast(tensor, src): afterwards every rank's `tensor` holds what rank `src`
-    had. In place: change `tensor` itself. Use dist.send and dist.recv only."""
+    had. In place: change `tensor` itself. Use dist.send and dist.recv only, and name the peer of
+    every recv (NCCL has no receive from any source)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # BEGIN SOLUTION: the root sends its tensor to every other rank; every other rank receives it from the root straight into `tensor`
+    # HINT 1: the root is `src`, whichever rank that is; only it sends, once to each other rank, and the others receive into the very tensor they were given
+    # HINT 2: if rank == src: dist.send(tensor, dst=peer) for every peer != src; else: dist.recv(tensor, src=src)
+    # BEGIN SOLUTION: make every rank's `tensor` hold the root's values, the root's own unchanged
     if rank == src:
         for peer in range(world_size):
             if peer != src:
@@ -32,9 +34,11 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int) -> None:
     """Like dist.gather(tensor, gather_list, dst): on rank `dst`, gather_list[r] receives rank
     r's tensor, for every r (dst included); on the other ranks gather_list is None.
-    Use dist.send and dist.recv only."""
+    Use dist.send and dist.recv only, and name the peer of every recv."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # BEGIN SOLUTION: every rank but dst sends its tensor to dst; dst copies its own tensor into its slot and receives each other rank's tensor into that rank's slot
+    # HINT 1: messages from different senders may arrive in any order: receive from one named rank at a time, into that rank's slot; the destination's own slot needs no message
+    # HINT 2: on dst: gather_list[dst].copy_(tensor), then dist.recv(gather_list[peer], src=peer) for every other peer; elsewhere: dist.send(tensor, dst=dst)
+    # BEGIN SOLUTION: fill the destination's gather_list (the tensors it holds, in place) with every rank's tensor, in rank order
     if rank == dst:
         gather_list[dst].copy_(tensor)
         for peer in range(world_size):
@@ -47,18 +51,21 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: in
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
     """Like dist.all_gather(tensor_list, tensor): on every rank, tensor_list[r] receives rank r's
-    tensor. Build it as a ring: copy your tensor into your own slot, then in N-1 steps pass to
-    your right neighbour the slot you received last (at step s, rank r sends slot (r - s) % N
-    and receives slot (r - s - 1) % N from its left neighbour). Use isend/irecv and wait on both
-    at each step: with blocking calls every rank would send first and wait for ever."""
+    tensor. Build it as a ring: in N-1 steps, every rank sends one slot to its right neighbour
+    and receives one from its left, the two at once (blocking calls would have every rank send
+    first and wait for ever). Post each step's send and receive together with
+    dist.batch_isend_irecv (NCCL wants them grouped), and wait before the next step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
-    # BEGIN SOLUTION: copy your tensor into tensor_list[rank]; then for N-1 steps isend slot (rank - step) % N to the right, irecv slot (rank - step - 1) % N from the left, and wait on both
+    # HINT 1: start by putting your own tensor in your own slot; at each step send on the slot that arrived at the step before (at step 0: your own)
+    # HINT 2: at step s rank r sends slot (r - s) % N to the right and receives slot (r - s - 1) % N from the left: ops = [dist.P2POp(dist.isend, ..., right), dist.P2POp(dist.irecv, ..., left)], then wait on every request of dist.batch_isend_irecv(ops)
+    # BEGIN SOLUTION: fill every slot of tensor_list (in place) with that rank's tensor, passing slots around the ring
     tensor_list[rank].copy_(tensor)
     for step in range(world_size - 1):
         send_slot, recv_slot = (rank - step) % world_size, (rank - step - 1) % world_size
-        requests = [dist.isend(tensor_list[send_slot], dst=right), dist.irecv(tensor_list[recv_slot], src=left)]
-        for request in requests:
+        ops = [dist.P2POp(dist.isend, tensor_list[send_slot], right),
+               dist.P2POp(dist.irecv, tensor_list[recv_slot], left)]
+        for request in dist.batch_isend_irecv(ops):
             request.wait()
     # END SOLUTION
 
@@ -73,30 +80,84 @@ COLLECTIVES = ("broadcast", "scatter", "gather", "all_gather", "all_gather_into_
                "all_to_all_single", "broadcast_object_list", "all_gather_object", "gather_object")
 
 
-@contextmanager
-def send_and_recv_only():
-    """While the learner's functions run, any torch.distributed collective raises."""
-    saved = {name: getattr(dist, name) for name in COLLECTIVES}
+class Recorder:
+    """While active, every point-to-point call is noted (kind, peer, tag, buffer, whether it was
+    posted inside dist.batch_isend_irecv, whether it was waited for) and the collectives raise.
+    The learner's calls still go through to torch.distributed unchanged."""
 
-    def refuse(name):
-        def collective(*args, **kwargs):
-            raise RuntimeError(f"dist.{name} was called: this lab builds collectives from "
-                               f"dist.send/recv (or isend/irecv) only")
-        return collective
+    P2P = ("send", "recv", "isend", "irecv")
 
-    for name in COLLECTIVES:
-        setattr(dist, name, refuse(name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+    def __init__(self, refuse: tuple[str, ...] = ()):
+        self.ops: list[dict] = []
+        self.in_batch = False
+        self.refuse = refuse
+
+    def _wrap(self, kind: str, original):
+        def call(tensor, *args, **kwargs):
+            names = ("dst", "group_dst") if "send" in kind else ("src", "group_src")
+            peer = args[0] if args else kwargs.get(names[0], kwargs.get(names[1]))
+            tag = kwargs.get("tag", args[2] if len(args) > 2 else 0)
+            op = {"kind": kind, "peer": peer, "tag": tag, "ptr": tensor.data_ptr(), "tensor": tensor,
+                  "batch": self.in_batch, "waited": kind in ("send", "recv"), "index": len(self.ops),
+                  "pending": [o["index"] for o in self.ops if not o["waited"]]}
+            self.ops.append(op)
+            result = original(tensor, *args, **kwargs)
+            return Recorded(result, [op]) if kind in ("isend", "irecv") and result is not None else result
+        return call
+
+    def _batch(self, original):
+        def call(ops):
+            self.in_batch, first = True, len(self.ops)
+            try:
+                works = original(ops)
+            finally:
+                self.in_batch = False
+            return [Recorded(work, self.ops[first:]) for work in works]
+        return call
+
+    def __enter__(self):
+        # torch.distributed and the module it comes from (P2POp compares its op with the latter's isend)
+        from torch.distributed import distributed_c10d as c10d
+        self.saved = [(module, name, getattr(module, name)) for module in (dist, c10d)
+                      for name in (*self.P2P, "batch_isend_irecv", *(self.refuse if module is dist else ()))]
+        # one stand-in per function, the same object in both modules (P2POp checks `op is isend`)
+        stand_ins = {name: self._wrap(name, getattr(dist, name)) for name in self.P2P}
+        stand_ins["batch_isend_irecv"] = self._batch(dist.batch_isend_irecv)
+        for module, name, original in self.saved:
+            setattr(module, name, stand_ins.get(name) or refused(name))
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in self.saved:
+            setattr(module, name, original)
 
 
-def rank_tensor(rank: int, shape: tuple, dtype: torch.dtype, case: int) -> torch.Tensor:
+class Recorded:
+    """A request whose wait() is noted; everything else is the real request's."""
+
+    def __init__(self, work, ops: list[dict]):
+        self.work, self.ops = work, ops
+
+    def wait(self, *args, **kwargs):
+        for op in self.ops:
+            op["waited"] = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def refused(name: str):
+    def collective(*args, **kwargs):
+        raise RuntimeError(f"dist.{name} was called: this lab builds everything from point-to-point "
+                           f"calls (send/recv, isend/irecv, batch_isend_irecv) only")
+    return collective
+
+
+def rank_tensor(rank: int, shape: tuple, dtype: torch.dtype, case: int, device: torch.device) -> torch.Tensor:
     """Each rank's own input: seeded, different on every rank and in every case, never SENTINEL."""
     g = torch.Generator().manual_seed(1000 * case + rank)
-    return torch.randint(0, 100, shape, generator=g).to(dtype) + 1000 * rank + 1
+    return (torch.randint(0, 100, shape, generator=g).to(dtype) + 1000 * rank + 1).to(device)
 
 
 def who_holds(t: torch.Tensor, inputs: list[torch.Tensor]) -> str:
@@ -109,65 +170,146 @@ def who_holds(t: torch.Tensor, inputs: list[torch.Tensor]) -> str:
     return "values that are no rank's tensor"
 
 
+def fail_once(checks: Checks, diagnosis: str) -> None:
+    """The same mistake seen at every root or case is reported once."""
+    if diagnosis not in checks.failures:
+        checks.fail(diagnosis)
+
+
+def p2p_mistakes(calls: Recorder, name: str, ring: bool = False) -> list[str]:
+    """What the recorded calls show, whatever the values came out as: rules that gloo forgives
+    and NCCL does not, and the ring's order of sending and waiting."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    found = []
+    if any(op["kind"] in ("recv", "irecv") and op["peer"] is None for op in calls.ops):
+        found.append(f"{name} called recv without src: a receive from any rank takes whichever message comes "
+                     f"first (at 3 or more ranks not always the one you meant), and NCCL has no such receive - "
+                     f"name the sender: dist.recv(t, src=peer)")
+    tags = sorted({op["tag"] for op in calls.ops if op["tag"]})
+    if tags:
+        found.append(f"{name} passed tag={tags[0]}: NCCL ignores tags, so a lab that relies on them breaks "
+                     f"there - tell messages apart by peer and by the order in which they are posted")
+    if not ring:
+        return found
+    loose = [op for op in calls.ops if not op["batch"]]
+    if loose:
+        found.append(f"{name} posted a {loose[0]['kind']} outside dist.batch_isend_irecv: each step's send and "
+                     f"receive run at once, and NCCL wants such pairs posted together as one group")
+    sends = [op for op in calls.ops if "send" in op["kind"]]
+    recvs = [op for op in calls.ops if "recv" in op["kind"]]
+    if any(r["ptr"] == t["ptr"] and (r["index"] in t["pending"] or t["index"] in r["pending"])
+           for r in recvs for t in sends):
+        found.append(f"{name} sent a slot while a receive into it was still in flight (its values had not "
+                     f"arrived yet): wait for each step's requests before the next step sends what arrived, "
+                     f"and never send the slot you are receiving")
+    if any(not op["waited"] for op in calls.ops):
+        found.append(f"{name} returned with a request never waited for: wait on every request of every step")
+    if world_size > 2:
+        right, left = (rank + 1) % world_size, (rank - 1) % world_size
+        if any(op["peer"] != right for op in calls.ops if "send" in op["kind"]) or \
+                any(op["peer"] != left for op in calls.ops if "recv" in op["kind"]):
+            found.append(f"{name} talked to other ranks than its neighbours in the ring direction: send to the "
+                         f"right ((rank + 1) % N) and receive from the left ((rank - 1) % N)")
+    return found
+
+
+class Stop(Exception):
+    """The learner's call never finished: the group is unusable, so the check stops here."""
+
+
+def run_watched(name: str, fn, *args, ring: bool = False) -> Recorder:
+    """Run one of the learner's functions with its calls recorded; a wait that timed out becomes
+    Stop, with what the calls showed."""
+    with Recorder(refuse=COLLECTIVES) as calls:
+        try:
+            fn(*args)
+        except RuntimeError as error:
+            text = str(error).lower()
+            if "timed out" not in text and "closed" not in text:
+                raise
+            found = p2p_mistakes(calls, name, ring)
+            raise Stop(f"{name} never finished (a send or recv timed out: likely a deadlock) - " + (
+                "; ".join(found) if found else "every send needs a matching recv on the other rank, posted so "
+                                               "that neither waits for the other first")) from None
+    return calls
+
+
 def check_broadcast(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
     """Exact equality (a broadcast only copies bytes) with dist.broadcast, from every root."""
     rank = dist.get_rank()
     for src in range(len(inputs)):
         mine, theirs = inputs[rank].clone(), inputs[rank].clone()
-        with send_and_recv_only():
-            broadcast(mine, src)
+        calls = run_watched("broadcast", broadcast, mine, src)
         dist.broadcast(theirs, src)
+        for mistake in p2p_mistakes(calls, "broadcast"):
+            fail_once(checks, mistake)
         if torch.equal(mine, theirs):
             checks.expect(True, "")
             continue
         held = who_holds(mine, inputs)
-        if rank != src and torch.equal(mine, inputs[rank]):
+        if src != 0 and torch.equal(mine, inputs[0]):
+            hint = f"that is rank 0's tensor, but the root is rank {src}: send from (and receive from) `src`, not 0"
+        elif rank != src and torch.equal(mine, inputs[rank]):
             hint = ("this rank still holds its own tensor: broadcast works in place - receive "
                     "into `tensor` itself (assigning a new tensor to the name does not change the caller's)")
         elif rank == src:
             hint = "the root's own tensor must not change"
         else:
             hint = f"receive from rank {src}, the root"
-        checks.fail(f"broadcast from rank {src} of {what}: rank {rank} holds {held}, expected "
+        checks.fail(f"broadcast from rank {src} of {what}: this rank holds {held}, expected "
                     f"rank {src}'s tensor: {hint}")
 
 
 def check_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
-    """Exact equality with dist.gather, to every destination."""
+    """Exact equality with dist.gather, to every destination, in the caller's own tensors."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for dst in range(world_size):
         mine = [torch.full_like(inputs[rank], SENTINEL) for _ in range(world_size)] if rank == dst else None
         theirs = [torch.full_like(inputs[rank], SENTINEL) for _ in range(world_size)] if rank == dst else None
-        with send_and_recv_only():
-            gather(inputs[rank].clone(), mine, dst)
+        slots = list(mine) if mine is not None else None  # the caller's tensors: they must be filled
+        calls = run_watched("gather", gather, inputs[rank].clone(), mine, dst)
         dist.gather(inputs[rank].clone(), theirs, dst)
+        for mistake in p2p_mistakes(calls, "gather"):
+            fail_once(checks, mistake)
         if rank != dst:
             checks.expect(True, "")
             continue
-        wrong = [i for i in range(world_size) if not torch.equal(mine[i], theirs[i])]
+        wrong = [i for i in range(world_size) if not torch.equal(slots[i], theirs[i])]
         if not wrong:
             checks.expect(True, "")
             continue
         slot = wrong[0]
-        if slot == dst:
+        rebound = slots[slot] is not mine[slot] and torch.equal(mine[slot], theirs[slot])
+        if rebound:
+            hint = (f"gather_list[{slot}] was replaced by another tensor - fill the tensors the caller gave "
+                    f"you in place (gather_list[{slot}].copy_(...) or recv into it)")
+        elif who_holds(slots[slot], inputs).startswith("rank "):
+            other = who_holds(slots[slot], inputs).split()[1].rstrip("'s")
+            hint = (f"rank {other}'s tensor landed in slot {slot} - receive rank k's tensor into gather_list[k] "
+                    f"(the list is in rank order)")
+        elif slot == dst:
             hint = f"the destination's own slot: copy your tensor into gather_list[{dst}]"
         else:
             hint = f"receive rank {slot}'s tensor into gather_list[{slot}] (the list is in rank order)"
         checks.fail(f"gather to rank {dst} of {what}: gather_list[{slot}] holds "
-                    f"{who_holds(mine[slot], inputs)}, expected rank {slot}'s tensor: {hint}")
+                    f"{who_holds(slots[slot], inputs)}, expected rank {slot}'s tensor: {hint}")
 
 
 def check_all_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
-    """Exact equality with dist.all_gather."""
+    """Exact equality with dist.all_gather; and the ring's calls follow the rules."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mine = [torch.full_like(inputs[rank], SENTINEL) for _ in range(world_size)]
     theirs = [torch.full_like(inputs[rank], SENTINEL) for _ in range(world_size)]
-    with send_and_recv_only():
-        all_gather(mine, inputs[rank].clone())
+    calls = run_watched("all_gather", all_gather, mine, inputs[rank].clone(), ring=True)
     dist.all_gather(theirs, inputs[rank].clone())
+    mistakes = p2p_mistakes(calls, "all_gather", ring=True)
+    for mistake in mistakes:
+        fail_once(checks, mistake)
     wrong = [i for i in range(world_size) if not torch.equal(mine[i], theirs[i])]
     if not wrong:
         checks.expect(True, "")
+        return
+    if mistakes:  # the values are wrong because of what was named above
         return
     slot = wrong[0]
     if all((t == SENTINEL).all() for t in mine):  # nothing real ever entered the ring
@@ -176,9 +318,9 @@ def check_all_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> N
     elif wrong == [rank]:
         hint = f"your own slot: copy your tensor into tensor_list[{rank}] first"
     else:
-        hint = ("off by one? at step s rank r sends slot (r - s) % N to the right and receives "
-                "slot (r - s - 1) % N from the left")
-    checks.fail(f"all_gather of {what} on rank {rank}: tensor_list[{slot}] holds "
+        hint = ("off by one? at each step a rank sends on the slot it received at the step before, and "
+                "what it receives from the left belongs in the left neighbour's previous slot")
+    checks.fail(f"all_gather of {what}: tensor_list[{slot}] holds "
                 f"{who_holds(mine[slot], inputs)}, expected rank {slot}'s tensor: {hint}")
 
 
@@ -187,13 +329,20 @@ def main(me: Rank, checks: Checks) -> None:
     case = 0
     for shape in SHAPES:
         for dtype in DTYPES:
-            inputs = [rank_tensor(r, shape, dtype, case) for r in range(world_size)]
+            inputs = [rank_tensor(r, shape, dtype, case, me.device) for r in range(world_size)]
             what = f"a {tuple(shape)} {str(dtype).replace('torch.', '')} tensor"
-            check_broadcast(checks, inputs, what)
-            check_gather(checks, inputs, what)
-            check_all_gather(checks, inputs, what)
+            try:
+                check_broadcast(checks, inputs, what)
+                check_gather(checks, inputs, what)
+                check_all_gather(checks, inputs, what)
+            except Stop as stop:
+                checks.fail(str(stop))
+                return
             case += 1
-            if checks.failures:  # the first case that fails tells enough: fix it and run again
+            # the first case that fails on any rank tells enough: every rank stops together
+            failed = torch.tensor([len(checks.failures)], device=me.device)
+            dist.all_reduce(failed)
+            if failed.item():
                 return
     print0(f"compared broadcast, gather and all_gather with torch.distributed's own: "
            f"{len(SHAPES)} shapes x {len(DTYPES)} dtypes, every root, {world_size} ranks")

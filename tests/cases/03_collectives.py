@@ -2,24 +2,61 @@
 
 from mutation import Mutation
 
+STEP = ("        ops = [dist.P2POp(dist.isend, tensor_list[send_slot], right),\n"
+        "               dist.P2POp(dist.irecv, tensor_list[recv_slot], left)]\n"
+        "        for request in dist.batch_isend_irecv(ops):\n            request.wait()\n")
+LOOP = ("    for step in range(world_size - 1):\n"
+        "        send_slot, recv_slot = (rank - step) % world_size, (rank - step - 1) % world_size\n")
+SLOTS = "recv_slot = (rank - step) % world_size, (rank - step - 1) % world_size"
+
 MUTATIONS = [
     Mutation("broadcast rebinds the name instead of receiving in place",
              "        dist.recv(tensor, src=src)\n",
              "        tensor = torch.empty_like(tensor)\n        dist.recv(tensor, src=src)\n",
              "broadcast works in place", 2),
+    # REVIEW D: a root hard-coded to 0 got a generic hint
+    Mutation("broadcast hard-coded to root 0",
+             "    if rank == src:\n        for peer in range(world_size):\n            if peer != src:\n"
+             "                dist.send(tensor, dst=peer)\n    else:\n        dist.recv(tensor, src=src)\n",
+             "    if rank == 0:\n        for peer in range(world_size):\n            if peer != 0:\n"
+             "                dist.send(tensor, dst=peer)\n    else:\n        dist.recv(tensor, src=0)\n",
+             "send from (and receive from) `src`, not 0", 3),
     Mutation("gather forgets the destination's own slot", "        gather_list[dst].copy_(tensor)\n", "",
              "the destination's own slot", 2),
+    Mutation("gather rebinds its own slot", "        gather_list[dst].copy_(tensor)\n",
+             "        gather_list[dst] = tensor\n", "fill the tensors the caller gave you in place", 2),
+    # REVIEW D: passed at 2 ranks (only one other rank can send)
+    Mutation("gather receives without src", "                dist.recv(gather_list[peer], src=peer)\n",
+             "                dist.recv(gather_list[peer])\n", "called recv without src", 2),
+    Mutation("gather receives into its own index", "                dist.recv(gather_list[peer], src=peer)\n",
+             "                dist.recv(gather_list[rank], src=peer)\n", "(the list is in rank order)", 3),
+    Mutation("gather tags by sender", "                dist.recv(gather_list[peer], src=peer)\n",
+             "                dist.recv(gather_list[peer], src=peer, tag=peer)\n", "NCCL ignores tags", 2),
     Mutation("all_gather forgets its own slot", "    tensor_list[rank].copy_(tensor)\n", "",
              "your own slot", 2),
     Mutation("all_gather receives into the wrong slot (off by one)",
-             "recv_slot = (rank - step) % world_size, (rank - step - 1) % world_size",
-             "recv_slot = (rank - step) % world_size, (rank - step + 1) % world_size",
+             SLOTS, "recv_slot = (rank - step) % world_size, (rank - step + 1) % world_size",
              "off by one?", 4),
-    # Blocking calls in a ring: every rank sends first, and on gloo a send waits for its recv.
-    Mutation("all_gather with blocking send then recv on every rank",
+    Mutation("all_gather sends the slot it is receiving",
+             SLOTS, "recv_slot = (rank - step - 1) % world_size, (rank - step - 1) % world_size",
+             "while a receive into it was still in flight", 3),
+    # REVIEW D: posting every step, then waiting once, was flaky and called "off by one"
+    Mutation("all_gather posts every step, then waits once", LOOP + STEP,
+             "    requests = []\n" + LOOP +
+             "        requests += dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor_list[send_slot], right),\n"
+             "                                            dist.P2POp(dist.irecv, tensor_list[recv_slot], left)])\n"
+             "    for request in requests:\n        request.wait()\n",
+             "while a receive into it was still in flight", 3),
+    Mutation("all_gather with isend/irecv one by one", STEP,
              "        requests = [dist.isend(tensor_list[send_slot], dst=right), "
              "dist.irecv(tensor_list[recv_slot], src=left)]\n"
              "        for request in requests:\n            request.wait()\n",
+             "outside dist.batch_isend_irecv", 2),
+    Mutation("all_gather ring runs the wrong way", "    left, right = (rank - 1) % world_size, (rank + 1) % world_size\n",
+             "    right, left = (rank - 1) % world_size, (rank + 1) % world_size\n",
+             "send to the right ((rank + 1) % N)", 3),
+    # Blocking calls in a ring: every rank sends first, and on gloo a send waits for its recv.
+    Mutation("all_gather with blocking send then recv on every rank", STEP,
              "        dist.send(tensor_list[send_slot], dst=right)\n"
              "        dist.recv(tensor_list[recv_slot], src=left)\n",
              "likely a deadlock", 2),
