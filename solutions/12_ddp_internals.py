@@ -92,10 +92,23 @@ class HandDDP(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this block, backward only accumulates gradients locally: no communication."""
+        # HINT 1: on_gradient_ready already returns at once when self.sync is False.
+        # HINT 2: self.sync = False; try: yield; finally: self.sync = True
+        # BEGIN SOLUTION: switch self.sync off for the block and back on afterwards (even if the block raises)
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+        # END SOLUTION
+
     def on_gradient_ready(self, index: int) -> None:
         """Runs inside backward when self.params[index].grad is ready. Must return at once."""
         # HINT 1: count the arrivals in self.ready[bucket]; when the count equals the bucket's length, reset it to 0 and launch.
-        # HINT 2: flat = torch.cat([self.params[i].grad.reshape(-1) for i in bucket]); work = dist.all_reduce(flat, async_op=True); remember (work, flat, bucket) in self.pending - never work.wait() here.
+        # HINT 2: flat = torch.cat([self.params[i].grad.reshape(-1) for i in self.buckets[bucket]]); work = dist.all_reduce(flat, async_op=True); remember (work, flat, bucket) in self.pending - never work.wait() here.
         # BEGIN SOLUTION: unless sync is off, count this gradient in its bucket; when the bucket's last gradient arrives, launch an async all-reduce (sum) of the bucket's gradients flattened into one buffer, keep (work, buffer, bucket) in self.pending, and return without waiting
         if not self.sync:
             return
@@ -124,19 +137,6 @@ class HandDDP(nn.Module):
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         self.pending = []
-        # END SOLUTION
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside this block, backward only accumulates gradients locally: no communication."""
-        # HINT 1: on_gradient_ready already returns at once when self.sync is False.
-        # HINT 2: self.sync = False; try: yield; finally: self.sync = True
-        # BEGIN SOLUTION: switch self.sync off for the block and back on afterwards (even if the block raises)
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
         # END SOLUTION
 
 
