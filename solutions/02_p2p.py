@@ -13,26 +13,27 @@ import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, print_ranked, run_lab
 
-# Tags tell apart two messages between the same pair of ranks. With 2 ranks, the left and the
-# right neighbour are the same process, so the halo going right and the halo going left travel
-# between the same two ranks: without tags they could land in each other's buffer.
-GOING_RIGHT, GOING_LEFT = 0, 1
+# This lab runs on gloo (CPU) and on NCCL (GPUs) alike, so it keeps NCCL's rules: every recv names
+# its sender, no message relies on a `tag` (NCCL ignores tags; gloo alone honours them), and sends
+# and receives that run at the same time are posted together with dist.batch_isend_irecv.
 
 
 # -- part 1: a token around the ring, with blocking send and recv ------------------------------
 
-def pass_token() -> int:
+def pass_token(device: torch.device) -> int:
     """Send a token once around the ring 0 -> 1 -> ... -> N-1 -> 0 with blocking send/recv.
 
-    Rank 0 creates the token, an int64 tensor holding 1, and sends it to its right neighbour.
-    Every other rank receives it from its left neighbour, appends its own digit
+    Rank 0 creates the token, an int64 tensor on `device` holding 1, and sends it to its right
+    neighbour. Every other rank receives it from its left neighbour, appends its own digit
     (token = token * 10 + rank + 1) and sends it on to its right neighbour. Rank 0 finally
     receives it back from rank N-1. Return the value this rank last held: on 4 ranks,
     rank 1 -> 12, rank 2 -> 123, rank 3 -> 1234, and rank 0 -> 1234 (it came back)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # BEGIN SOLUTION: find your left and right neighbours on the ring (wrap around with %), then rank 0 sends first and receives last while the others receive, append their digit and send on
+    # HINT 1: a blocking recv waits until its message comes, so someone must send first: only rank 0 can; the neighbours wrap around with % world_size
+    # HINT 2: left, right = (rank - 1) % world_size, (rank + 1) % world_size; rank 0: send to right, then recv from left; others: recv from left, append the digit, send to right
+    # BEGIN SOLUTION: pass the token once around the ring as the docstring says, and return the value this rank ends with
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
-    token = torch.zeros(1, dtype=torch.int64)
+    token = torch.zeros(1, dtype=torch.int64, device=device)
     if rank == 0:
         token += 1
         dist.send(token, dst=right)
@@ -45,7 +46,7 @@ def pass_token() -> int:
     # END SOLUTION
 
 
-# -- part 2: a halo exchange with isend/irecv --------------------------------------------------
+# -- part 2: a halo exchange with non-blocking point-to-point ----------------------------------
 
 def start_halo_exchange(local: torch.Tensor, left_halo: torch.Tensor, right_halo: torch.Tensor,
                         width: int) -> list:
@@ -55,17 +56,20 @@ def start_halo_exchange(local: torch.Tensor, left_halo: torch.Tensor, right_halo
     rank (rank 0 first; the array wraps around, so rank 0's left neighbour is rank N-1).
     Fill `left_halo` with the last `width` elements of the left neighbour's slab and
     `right_halo` with the first `width` elements of the right neighbour's slab; send your own
-    edges to them in return. Use dist.isend / dist.irecv (tag=GOING_RIGHT or GOING_LEFT for the
-    direction a message travels) and return the requests: the caller waits on them."""
+    edges to them in return. Return the requests of all four messages without waiting on them:
+    the caller computes the interior meanwhile, then waits. It must be right at 2 ranks (where
+    the left and the right neighbour are the same process) and on NCCL (no tags)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
-    # BEGIN SOLUTION: post two irecv (left_halo from the left, right_halo from the right) and two isend (your first `width` elements to the left, your last `width` to the right), each tagged with the direction it travels; return the four requests
-    return [
-        dist.irecv(left_halo, src=left, tag=GOING_RIGHT),
-        dist.irecv(right_halo, src=right, tag=GOING_LEFT),
-        dist.isend(local[:width].contiguous(), dst=left, tag=GOING_LEFT),
-        dist.isend(local[-width:].contiguous(), dst=right, tag=GOING_RIGHT),
-    ]
+    # HINT 1: post all four operations at once with dist.batch_isend_irecv (a list of dist.P2POp). At 2 ranks both messages between the pair go the same way: they match in the order they are posted, so every rank must post them in the same order
+    # HINT 2: post what travels right first (send local[-width:] to the right, receive left_halo from the left), then what travels left (send local[:width] to the left, receive right_halo from the right); return what batch_isend_irecv returns
+    # BEGIN SOLUTION: post the four messages (two edges out, two halos in) without waiting, and return their requests
+    return dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, local[-width:].contiguous(), right),  # travels right ...
+        dist.P2POp(dist.irecv, left_halo, left),  # ... and so does what the left neighbour sends us
+        dist.P2POp(dist.isend, local[:width].contiguous(), left),  # travels left
+        dist.P2POp(dist.irecv, right_halo, right),
+    ])
     # END SOLUTION
 
 
@@ -75,11 +79,13 @@ def moving_average(x: torch.Tensor, width: int) -> torch.Tensor:
     return sum(x[k:k + n] for k in range(2 * width + 1)) / (2 * width + 1)
 
 
-def smooth(local: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One smoothing step of the distributed array: (new slab, left halo, right halo)."""
-    left_halo = torch.full((width,), float("nan"), dtype=local.dtype)
-    right_halo = torch.full((width,), float("nan"), dtype=local.dtype)
-    requests = start_halo_exchange(local, left_halo, right_halo, width)
+def smooth(local: torch.Tensor, width: int,
+           exchange=start_halo_exchange) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One smoothing step of the distributed array: (new slab, left halo, right halo).
+    `exchange` is start_halo_exchange (the check passes one that also watches its calls)."""
+    left_halo = torch.full((width,), float("nan"), dtype=local.dtype, device=local.device)
+    right_halo = torch.full((width,), float("nan"), dtype=local.dtype, device=local.device)
+    requests = exchange(local, left_halo, right_halo, width)
     out = torch.empty_like(local)
     out[width:-width] = moving_average(local, width)  # needs no neighbour: overlaps the messages
     for request in requests or []:
@@ -91,6 +97,123 @@ def smooth(local: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 # -- the checks --------------------------------------------------------------------------------
+
+class Recorder:
+    """While active, every point-to-point call is noted (kind, peer, tag, buffer, whether it was
+    posted inside dist.batch_isend_irecv, whether it was waited for) and the collectives raise.
+    The learner's calls still go through to torch.distributed unchanged."""
+
+    P2P = ("send", "recv", "isend", "irecv")
+
+    def __init__(self, refuse: tuple[str, ...] = ()):
+        self.ops: list[dict] = []
+        self.in_batch = False
+        self.refuse = refuse
+
+    def _wrap(self, kind: str, original):
+        def call(tensor, *args, **kwargs):
+            names = ("dst", "group_dst") if "send" in kind else ("src", "group_src")
+            peer = args[0] if args else kwargs.get(names[0], kwargs.get(names[1]))
+            tag = kwargs.get("tag", args[2] if len(args) > 2 else 0)
+            op = {"kind": kind, "peer": peer, "tag": tag, "ptr": tensor.data_ptr(), "tensor": tensor,
+                  "batch": self.in_batch, "waited": kind in ("send", "recv"), "index": len(self.ops),
+                  "pending": [o["index"] for o in self.ops if not o["waited"]]}
+            self.ops.append(op)
+            result = original(tensor, *args, **kwargs)
+            return Recorded(result, [op]) if kind in ("isend", "irecv") and result is not None else result
+        return call
+
+    def _batch(self, original):
+        def call(ops):
+            self.in_batch, first = True, len(self.ops)
+            try:
+                works = original(ops)
+            finally:
+                self.in_batch = False
+            # gloo: one request per op, already recorded; NCCL: requests of the whole group
+            return [work if isinstance(work, Recorded) else Recorded(work, self.ops[first:]) for work in works]
+        return call
+
+    def __enter__(self):
+        # torch.distributed and the module it comes from (P2POp compares its op with the latter's isend)
+        from torch.distributed import distributed_c10d as c10d
+        self.saved = [(module, name, getattr(module, name)) for module in (dist, c10d)
+                      for name in (*self.P2P, "batch_isend_irecv", *(self.refuse if module is dist else ()))]
+        # one stand-in per function, the same object in both modules (P2POp checks `op is isend`)
+        stand_ins = {name: self._wrap(name, getattr(dist, name)) for name in self.P2P}
+        stand_ins["batch_isend_irecv"] = self._batch(dist.batch_isend_irecv)
+        for module, name, original in self.saved:
+            setattr(module, name, stand_ins.get(name) or refused(name))
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in self.saved:
+            setattr(module, name, original)
+
+
+class Recorded:
+    """A request whose wait() is noted; everything else is the real request's."""
+
+    def __init__(self, work, ops: list[dict]):
+        self.work, self.ops = work, ops
+
+    def wait(self, *args, **kwargs):
+        for op in self.ops:
+            op["waited"] = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def refused(name: str):
+    def collective(*args, **kwargs):
+        raise RuntimeError(f"dist.{name} was called: this lab builds everything from point-to-point "
+                           f"calls (send/recv, isend/irecv, batch_isend_irecv) only")
+    return collective
+
+
+def halo_mistakes(calls: Recorder, returned, width: int, left_halo, right_halo) -> list[str]:
+    """What the recorded calls of start_halo_exchange show, whatever the halos came out as."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    left, right = (rank - 1) % world_size, (rank + 1) % world_size
+    ops, found = calls.ops, []
+    sends = [op for op in ops if "send" in op["kind"]]
+    recvs = [op for op in ops if "recv" in op["kind"]]
+    tags = sorted({op["tag"] for op in ops if op["tag"]})
+    if tags:
+        found.append(f"start_halo_exchange passed tag={tags[0]}: NCCL ignores tags (only gloo honours them) - "
+                     f"between two ranks, messages match in the order they are posted: post what travels "
+                     f"right before what travels left, on every rank")
+    if any(op["peer"] is None for op in recvs):
+        found.append("start_halo_exchange received without src: name the neighbour (NCCL has no receive "
+                     "from any source)")
+    if any(op["kind"] in ("send", "recv") for op in ops):
+        found.append("start_halo_exchange used a blocking send or recv: it must only start the messages "
+                     "(isend/irecv in dist.batch_isend_irecv) and return at once")
+    elif any(not op["batch"] for op in ops):
+        found.append("start_halo_exchange posted isend/irecv one by one: that works on gloo, but sends and "
+                     "receives that run at once must be posted together with dist.batch_isend_irecv for NCCL")
+    if len(sends) != 2 or len(recvs) != 2:
+        found.append(f"start_halo_exchange posted {len(sends)} sends and {len(recvs)} receives: one edge to each "
+                     f"neighbour and one halo from each, so 2 and 2")
+    elif sorted(op["peer"] for op in sends) != sorted([left, right]) or \
+            sorted(op["peer"] for op in recvs) != sorted([left, right]):
+        found.append(f"start_halo_exchange talked to ranks {sorted({op['peer'] for op in ops})}; the "
+                     f"neighbours are {left} (left) and {right} (right)")
+    elif {op["ptr"] for op in recvs} != {left_halo.data_ptr(), right_halo.data_ptr()}:
+        found.append("start_halo_exchange did not receive into left_halo and right_halo themselves - "
+                     "irecv into the tensors the caller gave (a new tensor never reaches the caller)")
+    if any(op["waited"] and "i" in op["kind"] for op in ops):
+        found.append("start_halo_exchange waited for its requests before returning: then nothing overlaps - "
+                     "return the requests unwaited; the caller computes the interior, then waits")
+    covered = {id(op) for request in (returned or []) if isinstance(request, Recorded) for op in request.ops}
+    missed = [op["kind"] for op in ops if op["kind"] in ("isend", "irecv") and id(op) not in covered]
+    if missed and not any(op["waited"] for op in ops):
+        found.append(f"start_halo_exchange did not return the requests of its {' and '.join(sorted(set(missed)))}s: "
+                     f"return all four, so the caller waits until the halos arrived and the edges left")
+    return found
+
 
 def expected_token(rank: int, world_size: int, reverse: bool = False) -> int:
     """The token's digits in the order it visits the ranks (reverse: 0 -> N-1 -> ... -> 1)."""
@@ -107,11 +230,13 @@ def check_token(checks: Checks, token: int) -> None:
     elif world_size > 2 and token == expected_token(rank, world_size, reverse=True):
         hint = ("the token went the wrong way round (0 -> N-1 -> ... -> 1): send to "
                 "(rank + 1) % world_size and receive from (rank - 1) % world_size")
+    elif rank == 0 and token == 1:
+        hint = f"rank 0 must receive the token back from rank {world_size - 1} at the end, into the token it returns"
     elif rank > 0 and token == expected // 10:
         hint = "this rank's digit is missing: append it with token * 10 + rank + 1 before sending on"
     else:
         hint = "each rank receives from its left neighbour, appends rank + 1 as a digit and sends to its right"
-    checks.expect(token == expected, f"the token on rank {rank} is {token}, expected {expected}: {hint}")
+    checks.expect(token == expected, f"the token is {token}, expected {expected}: {hint}")
 
 
 def slab_of(rank: int, world_size: int, size: int) -> torch.Tensor:
@@ -127,6 +252,7 @@ def check_halos(checks: Checks, left_halo: torch.Tensor, right_halo: torch.Tenso
                 width: int) -> None:
     """The halos must be exactly the neighbours' edge values (a copy: no tolerance)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    left_halo, right_halo = left_halo.cpu(), right_halo.cpu()
     before = slab_of((rank - 1) % world_size, world_size, size)
     after = slab_of((rank + 1) % world_size, world_size, size)
     want_left, want_right = before[-width:], after[:width]
@@ -134,12 +260,14 @@ def check_halos(checks: Checks, left_halo: torch.Tensor, right_halo: torch.Tenso
     if ok:
         hint = ""
     elif torch.isnan(left_halo).any() or torch.isnan(right_halo).any():
-        hint = ("a halo was never filled: post an irecv into each halo and return its request, "
-                "so that the caller waits for it")
+        hint = ("a halo was never filled: receive into left_halo and right_halo themselves and return "
+                "the requests, so that the caller waits for them")
     elif torch.equal(left_halo, want_right) and torch.equal(right_halo, want_left):
-        hint = ("the left and right halos are swapped: with 2 ranks both neighbours are the same "
-                "rank, so the two directions need different tags (GOING_RIGHT / GOING_LEFT); "
-                "or each edge went to the wrong side (first elements go left, last go right)")
+        hint = ("the left and right halos are swapped" + (
+            ": at 2 ranks both neighbours are one process, and the two messages between you match in the "
+            "order they are posted - post what travels right (your last elements, and left_halo's receive) "
+            "before what travels left, on every rank" if world_size == 2 else
+            ": each edge went to the wrong side (first elements go left, last go right)"))
     elif torch.equal(left_halo, before[:width]) or torch.equal(right_halo, after[-width:]):
         hint = ("you sent the wrong edge: your first `width` elements go to the left neighbour, "
                 "your last `width` elements to the right neighbour")
@@ -147,7 +275,7 @@ def check_halos(checks: Checks, left_halo: torch.Tensor, right_halo: torch.Tenso
         hint = "the halo is shifted by one element (off by one): send local[:width] and local[-width:]"
     else:
         hint = "compare your slices and neighbours with the docstring of start_halo_exchange"
-    checks.expect(ok, f"rank {rank}: halos {left_halo.tolist()} | {right_halo.tolist()}, expected "
+    checks.expect(ok, f"halos {left_halo.tolist()} | {right_halo.tolist()}, expected "
                       f"{want_left.tolist()} | {want_right.tolist()}: {hint}")
 
 
@@ -158,24 +286,40 @@ def check_smoothing(checks: Checks, smoothed: torch.Tensor, size: int, width: in
     whole = global_array(world_size, size)
     padded = torch.cat([whole[-width:], whole, whole[:width]])
     reference = moving_average(padded, width)[rank * size:(rank + 1) * size]
-    error = (smoothed - reference).abs().max().item()
-    checks.expect(error <= 1e-12, f"rank {rank}: the smoothed slab differs from a single-process "
+    error = (smoothed.cpu() - reference).abs().max().item()
+    checks.expect(error <= 1e-12, f"the smoothed slab differs from a single-process "
                                   f"run by {error:.3g}: the halos it used were wrong (see above)")
 
 
 def main(me: Rank, checks: Checks) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    token = pass_token()
+    token = pass_token(me.device)
     print_ranked(f"token {token}")
     check_token(checks, token)
 
     size, width = 7, 2  # an odd slab size: a halo of 2 on each side
-    local = slab_of(rank, world_size, size)
-    smoothed, left_halo, right_halo = smooth(local, width)
+    local = slab_of(me.rank, me.world_size, size).to(me.device)
+    calls, seen = Recorder(), {}
+
+    def watched_exchange(local, left_halo, right_halo, width):  # the check watches the calls it makes
+        with calls:
+            seen["returned"] = start_halo_exchange(local, left_halo, right_halo, width)
+        seen["mistakes"] = halo_mistakes(calls, seen["returned"], width, left_halo, right_halo)
+        return seen["returned"]
+
+    try:
+        smoothed, left_halo, right_halo = smooth(local, width, watched_exchange)
+    except RuntimeError as error:  # a wait that timed out: say what the calls showed
+        if "mistakes" not in seen or "timed out" not in str(error).lower() and "closed" not in str(error).lower():
+            raise
+        checks.fail("the halo exchange never finished (a wait timed out: likely a deadlock)"
+                    + (" - " + "; ".join(seen["mistakes"]) if seen["mistakes"] else ""))
+        return
+    for mistake in seen["mistakes"]:
+        checks.fail(mistake)
     print_ranked(f"halos {left_halo.tolist()} | {right_halo.tolist()}")
     check_halos(checks, left_halo, right_halo, size, width)
     check_smoothing(checks, smoothed, size, width)
-    print0(f"smoothed {world_size} slabs of {size} with a halo of {width}")
+    print0(f"smoothed {me.world_size} slabs of {size} with a halo of {width}")
 
 
 # A short timeout: a send/recv that no rank matches fails in 10 s as a likely deadlock.

@@ -2,6 +2,25 @@
 
 from mutation import Mutation
 
+HALO = ("    return dist.batch_isend_irecv([\n"
+        "        dist.P2POp(dist.isend, local[-width:].contiguous(), right),  # travels right ...\n"
+        "        dist.P2POp(dist.irecv, left_halo, left),  # ... and so does what the left neighbour sends us\n"
+        "        dist.P2POp(dist.isend, local[:width].contiguous(), left),  # travels left\n"
+        "        dist.P2POp(dist.irecv, right_halo, right),\n"
+        "    ])\n")
+
+
+def halo(*lines: str, wrap: str = "batch") -> str:
+    if wrap == "batch":
+        return "    return dist.batch_isend_irecv([\n" + "".join(f"        {x},\n" for x in lines) + "    ])\n"
+    return "    return [\n" + "".join(f"        {x},\n" for x in lines) + "    ]\n"
+
+
+SEND_RIGHT = "dist.P2POp(dist.isend, local[-width:].contiguous(), right)"
+RECV_LEFT = "dist.P2POp(dist.irecv, left_halo, left)"
+SEND_LEFT = "dist.P2POp(dist.isend, local[:width].contiguous(), left)"
+RECV_RIGHT = "dist.P2POp(dist.irecv, right_halo, right)"
+
 MUTATIONS = [
     # Every rank waits to hear before it speaks: on gloo a send also waits for its recv.
     Mutation("rank 0 receives before it sends",
@@ -14,23 +33,46 @@ MUTATIONS = [
              "the token went the wrong way round", 4),
     Mutation("own digit not appended", "        token = token * 10 + rank + 1\n", "",
              "this rank's digit is missing", 4),
-    Mutation("halos without tags (2 ranks: one neighbour on both sides)",
-             "    return [\n        dist.irecv(left_halo, src=left, tag=GOING_RIGHT),\n"
-             "        dist.irecv(right_halo, src=right, tag=GOING_LEFT),\n"
-             "        dist.isend(local[:width].contiguous(), dst=left, tag=GOING_LEFT),\n"
-             "        dist.isend(local[-width:].contiguous(), dst=right, tag=GOING_RIGHT),\n",
-             "    return [\n        dist.irecv(left_halo, src=left),\n"
-             "        dist.irecv(right_halo, src=right),\n"
-             "        dist.isend(local[:width].contiguous(), dst=left),\n"
-             "        dist.isend(local[-width:].contiguous(), dst=right),\n",
-             "the two directions need different tags", 2),
-    Mutation("wrong edge sent",
-             "dist.isend(local[:width].contiguous(), dst=left, tag=GOING_LEFT),\n"
-             "        dist.isend(local[-width:].contiguous(), dst=right, tag=GOING_RIGHT),",
-             "dist.isend(local[-width:].contiguous(), dst=left, tag=GOING_LEFT),\n"
-             "        dist.isend(local[:width].contiguous(), dst=right, tag=GOING_RIGHT),",
+    Mutation("rank 0 never takes the token back",
+             "        dist.send(token, dst=right)\n        dist.recv(token, src=left)\n",
+             "        dist.send(token, dst=right)\n        dist.recv(token.clone(), src=left)\n",
+             "rank 0 must receive the token back", 3),
+    # At 2 ranks both neighbours are one process: the posting order decides which halo is which.
+    Mutation("halos posted receives first (2 ranks: swapped)", HALO, halo(RECV_LEFT, RECV_RIGHT, SEND_LEFT, SEND_RIGHT),
+             "match in the order they are posted", 2),
+    Mutation("wrong edge sent", HALO,
+             halo(SEND_RIGHT.replace("[-width:]", "[:width]"), RECV_LEFT, SEND_LEFT.replace("[:width]", "[-width:]"),
+                  RECV_RIGHT),
              "you sent the wrong edge", 4),
-    Mutation("edge slice off by one", "dist.isend(local[:width].contiguous()",
-             "dist.isend(local[1:width + 1].contiguous()", "shifted by one element (off by one)", 2),
+    Mutation("edge slice off by one", HALO, halo(SEND_RIGHT, RECV_LEFT, SEND_LEFT.replace("[:width]", "[1:width + 1]"),
+                                                 RECV_RIGHT),
+             "shifted by one element (off by one)", 3),
+    # REVIEW D: tags named after the buffer got "likely a deadlock" without a word of tags
+    Mutation("tags named after the halo, not the direction", HALO, halo(
+        "dist.isend(local[-width:].contiguous(), dst=right, tag=1)", "dist.irecv(left_halo, src=left, tag=0)",
+        "dist.isend(local[:width].contiguous(), dst=left, tag=0)", "dist.irecv(right_halo, src=right, tag=1)",
+        wrap="list"), "NCCL ignores tags", 3),
+    # Right on gloo, wrong on NCCL: tags for the direction, isend/irecv one by one
+    Mutation("tags for the direction (gloo only)", HALO, halo(
+        "dist.irecv(left_halo, src=left, tag=0)", "dist.irecv(right_halo, src=right, tag=1)",
+        "dist.isend(local[:width].contiguous(), dst=left, tag=1)",
+        "dist.isend(local[-width:].contiguous(), dst=right, tag=0)", wrap="list"), "NCCL ignores tags", 2),
+    Mutation("isend/irecv one by one", HALO, halo(
+        "dist.isend(local[-width:].contiguous(), dst=right)", "dist.irecv(left_halo, src=left)",
+        "dist.isend(local[:width].contiguous(), dst=left)", "dist.irecv(right_halo, src=right)", wrap="list"),
+        "posted together with dist.batch_isend_irecv", 3),
+    # REVIEW D: waiting inside start_halo_exchange passed (the overlap was never checked)
+    Mutation("waits inside start_halo_exchange", HALO,
+             HALO.replace("    return dist.batch_isend_irecv([", "    requests = dist.batch_isend_irecv([")
+             + "    for request in requests:\n        request.wait()\n    return requests\n",
+             "waited for its requests before returning", 2),
+    # REVIEW D: returning only the receive requests passed
+    Mutation("returns only the receive requests", HALO,
+             HALO.replace("    return dist.batch_isend_irecv([", "    requests = dist.batch_isend_irecv([")
+             + "    return requests[1::2]\n",
+             "did not return the requests of its isends", 2),
+    Mutation("halo received into a new tensor", HALO,
+             "    left_halo = torch.empty_like(left_halo)\n" + HALO,
+             "did not receive into left_halo and right_halo themselves", 2),
 ]
 NPROCS = (2, 4)
