@@ -12,6 +12,7 @@ Run it with 4 processes:
 # LAB: fill in every TODO, then run it with torchrun (the command is in the docstring).
 # (For maintainers: `make labs` writes this file from solutions/01_dp_to_ddp.py; edit that one.)
 
+import multiprocessing
 import os
 from datetime import timedelta
 
@@ -44,19 +45,22 @@ def make_model() -> nn.Module:
 
 def setup() -> torch.device:
     """Join the process group that torchrun prepared; return the device this rank computes on."""
-    # TODO: get (backend, device type) from ringside.pick_backend(), call dist.init_process_group(backend, timeout=timedelta(seconds=30)), return device_for(device type, LOCAL_RANK)
+    # (stuck? `make hint CH=01` prints hint 1 of 2; run it again for the next)
+    # TODO: join the group torchrun prepared (nccl with one GPU per process where there are enough GPUs, else gloo on the CPU; a timeout, not the 30-minute default) and return this process's device
     raise NotImplementedError("the TODO above")
 
 
 def make_loader(dataset: Dataset) -> DataLoader:
     """Batches of BATCH_PER_RANK from this rank's own share of the data, shuffled with SEED."""
-    # TODO: replace DataLoader(dataset, BATCH_PER_RANK, shuffle=True) by one whose sampler is a DistributedSampler(dataset, shuffle=True, seed=SEED)
+    # (stuck? `make hint CH=01` prints hint 1 of 2; run it again for the next)
+    # TODO: return a DataLoader whose ranks together see every sample once per epoch, in an order shuffled with SEED, in batches of BATCH_PER_RANK per rank
     raise NotImplementedError("the TODO above")
 
 
 def wrap(model: nn.Module, device: torch.device) -> nn.Module:
     """Put the model on `device` and make its gradients the average over all ranks."""
-    # TODO: move the model to device and wrap it in DDP (device_ids=[device.index] on a GPU, None on the CPU)
+    # (stuck? `make hint CH=01` prints hint 1 of 2; run it again for the next)
+    # TODO: return the model on `device`, wrapped so that backward() leaves the same averaged gradients on every rank
     raise NotImplementedError("the TODO above")
 
 
@@ -64,7 +68,8 @@ def train(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(EPOCHS):
-        # TODO: tell the sampler which epoch this is, or every epoch repeats the same order
+        # (stuck? `make hint CH=01` prints hint 1 of 2; run it again for the next)
+        # TODO: make this epoch's order differ from the last epoch's (the same on every rank)
         raise NotImplementedError("the TODO above")
         total, batches = 0.0, 0
         for x, y in loader:
@@ -74,7 +79,8 @@ def train(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
             loss.backward()  # under DDP, this also averages the gradients over all ranks
             optimizer.step()
             total, batches = total + loss.item(), batches + 1
-        # TODO: print f"epoch {epoch}: loss {total / batches:.4f}" - from rank 0 only
+        # (stuck? `make hint CH=01` prints hint 1 of 1; run it again for the next)
+        # TODO: print f"epoch {epoch}: loss {total / batches:.4f}" once per epoch for the whole job
         raise NotImplementedError("the TODO above")
 
 
@@ -82,20 +88,28 @@ def train(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
 
 
 class RecordingDataset(Dataset):
-    """The digits, noting the index of every sample this rank fetches."""
+    """The digits, noting the index of every sample this rank fetches. The log is in shared memory,
+    so DataLoader worker processes (num_workers > 0) write into the same log."""
 
     def __init__(self, base):
-        self.base, self.seen = base, []
+        self.base = base
+        self.log = torch.full((4 * EPOCHS * len(base),), -1, dtype=torch.int64).share_memory_()
+        self.count = multiprocessing.get_context("fork").Value("q", 0)
 
     def __len__(self):
         return len(self.base)
 
     def __getitem__(self, index):
-        self.seen.append(int(index))
+        with self.count.get_lock():
+            slot = self.count.value
+            self.count.value += 1
+        if slot < len(self.log):
+            self.log[slot] = int(index)
         return self.base[index]
 
     def by_epoch(self, per_epoch: int) -> list[list[int]]:
-        return [self.seen[i:i + per_epoch] for i in range(0, len(self.seen), per_epoch)]
+        seen = self.log[:min(self.count.value, len(self.log))].tolist()
+        return [seen[i:i + per_epoch] for i in range(0, len(seen), per_epoch)] if per_epoch else []
 
 
 def reference_weights(dataset, world_size: int) -> torch.Tensor:
@@ -118,21 +132,73 @@ def reference_weights(dataset, world_size: int) -> torch.Tensor:
     return flat_params(model)
 
 
-def check_data(checks: Checks, seen: list[list[int]]) -> None:
-    """Each epoch, the ranks' samples must split the data set; the order must change by epoch."""
+def check_setup(checks: Checks, device) -> bool:
+    """setup() joined the group and returned the device this rank should compute on."""
+    if not checks.expect(dist.is_initialized(), "setup() returned without joining the process group - call "
+                                                "dist.init_process_group"):
+        return False
+    backend, device_type = dist.get_backend(), pick_backend()[1]
+    wanted = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device_type == "cuda" else torch.device("cpu")
+    ok = isinstance(device, torch.device) and device == wanted
+    return checks.expect(ok, f"setup() returned {device!r} with backend {backend}; this rank should compute on "
+                             f"{wanted} - take the device type from pick_backend() and the GPU index from LOCAL_RANK")
+
+
+def check_loader(checks: Checks, loader: DataLoader) -> bool:
+    """The sampler's and loader's settings, read directly: each has its own classic mistake."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    sampler = loader.sampler
+    if not checks.expect(isinstance(sampler, DistributedSampler),
+                         f"the DataLoader samples with a {type(sampler).__name__}, so every rank would train "
+                         f"on the same samples - give it sampler=DistributedSampler(dataset, shuffle=True, seed=SEED)"):
+        return False
+    ok = True
+    if (sampler.num_replicas, sampler.rank) != (world_size, rank):
+        ok = checks.expect(False, f"the DistributedSampler was told num_replicas={sampler.num_replicas}, "
+                                  f"rank={sampler.rank}, but this is rank {rank} of {world_size} - leave both out "
+                                  f"(it reads them from the group)")
+    if not sampler.shuffle:
+        ok = checks.expect(False, "the DistributedSampler has shuffle=False: every epoch visits the samples in "
+                                  "index order - pass shuffle=True")
+    if sampler.seed != SEED:
+        ok = checks.expect(False, f"the DistributedSampler's seed is {sampler.seed}, not SEED={SEED} - every rank "
+                                  f"must shuffle with the same seed (seed + rank splits nothing: the ranks' "
+                                  f"shares overlap)")
+    if loader.batch_size != BATCH_PER_RANK:
+        if loader.batch_size == BATCH_PER_RANK * world_size:
+            hint = (f"that is the global batch: each rank's DataLoader takes BATCH_PER_RANK, and the "
+                    f"{world_size} ranks together make the global batch of {BATCH_PER_RANK * world_size}")
+        elif loader.batch_size == BATCH_PER_RANK // world_size:
+            hint = ("you divided the batch by world_size: the sampler already splits the data, and "
+                    "BATCH_PER_RANK is each rank's batch")
+        else:
+            hint = "each rank's DataLoader takes batch_size=BATCH_PER_RANK (the batch per rank)"
+        ok = checks.expect(False, f"the DataLoader's batch size is {loader.batch_size}, expected "
+                                  f"BATCH_PER_RANK={BATCH_PER_RANK}: {hint}")
+    return ok
+
+
+def check_data(checks: Checks, seen: list[list[int]], sampler) -> None:
+    """Each epoch, the ranks' samples must split the data set; the order must change by epoch."""
+    world_size = dist.get_world_size()
     everyone = [None] * world_size
     dist.all_gather_object(everyone, seen)
+    if not checks.expect(all(len(s) == EPOCHS for s in everyone),
+                         f"the ranks fetched samples for {[len(s) for s in everyone]} epochs, expected {EPOCHS}"):
+        return
     first_epoch = [set(s[0]) for s in everyone]
     if world_size > 1 and all(s == first_epoch[0] for s in first_epoch):
         checks.fail("every rank trained on the same samples - give the DataLoader a DistributedSampler")
     elif sum(len(s) for s in first_epoch) != SAMPLES or set().union(*first_epoch) != set(range(SAMPLES)):
         checks.fail(f"the ranks' samples do not split the {SAMPLES} samples exactly - use DistributedSampler "
                     f"(it gives rank r every world_size-th index of one shuffled order)")
-    if len(seen) > 1 and seen[0] == seen[1]:
-        checks.fail(f"rank {rank} saw its samples in the same order in every epoch - call "
-                    f"loader.sampler.set_epoch(epoch) at the start of each epoch")
-    checks.expect(len(seen) == EPOCHS, f"rank {rank} trained {len(seen)} epochs, expected {EPOCHS}")
+    # Told epoch by epoch: the sampler remembers the last set_epoch; the samples show the order.
+    told = getattr(sampler, "epoch", None)
+    same_order = len(seen) > 1 and seen[0] == seen[1]
+    if told != EPOCHS - 1 or same_order:
+        checks.fail(f"the sampler was last told epoch {told}, after {EPOCHS} epochs (0..{EPOCHS - 1})"
+                    + (" and the samples came in the same order in every epoch" if same_order else "")
+                    + " - call loader.sampler.set_epoch(epoch) at the start of each epoch")
 
 
 def check_logging(checks: Checks, printed: str) -> None:
@@ -141,15 +207,16 @@ def check_logging(checks: Checks, printed: str) -> None:
         checks.expect(len(lines) == EPOCHS, f"rank 0 printed {len(lines)} lines while training, expected one "
                                             f"loss line per epoch ({EPOCHS})")
     else:
-        checks.expect(not lines, f"rank {rank} printed {len(lines)} lines while training - log from rank 0 "
+        checks.expect(not lines, f"printed {len(lines)} lines while training - log from rank 0 "
                                  f"only (if dist.get_rank() == 0: print(...))")
 
 
 def check_weights(checks: Checks, model: nn.Module, dataset) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    checks.expect(isinstance(model, DDP), f"rank {rank}: wrap() returned a {type(model).__name__}, "
-                                          f"not a DistributedDataParallel")
+    checks.expect(isinstance(model, DDP), f"wrap() returned a {type(model).__name__}, not a DistributedDataParallel")
     mine = flat_params(model)
+    if not checks.expect(bool(torch.isfinite(mine).all()), "the weights are NaN or inf after training"):
+        return
     copies = all_gather_tensor(mine.to(next(model.parameters()).device))
     if any(max_diff(mine, copy.cpu()) > 0 for copy in copies):
         checks.fail("after training the weights differ between ranks - without DDP each rank follows its own "
@@ -162,25 +229,24 @@ def check_weights(checks: Checks, model: nn.Module, dataset) -> None:
     dist.broadcast_object_list(gap, src=0)
     gap = gap[0]
     checks.expect(gap <= 1e-5, f"the weights differ from the single-process run on the same global batches by "
-                               f"{gap:.2e} (tolerance 1e-5): check the sampler's seed and the learning rate")
-
-
-def check_loader(checks: Checks, loader: DataLoader) -> bool:
-    return checks.expect(isinstance(loader.sampler, DistributedSampler),
-                         f"the DataLoader samples with a {type(loader.sampler).__name__}, so every rank would train "
-                         f"on the same samples - give it sampler=DistributedSampler(dataset, shuffle=True, seed=SEED)")
+                               f"{gap:.2e} (tolerance 1e-5): the sampler, batch size and DDP look right, so "
+                               f"compare the training loop and learning rate with the chapter's")
 
 
 def main(checks: Checks) -> None:
     device = setup()
+    if not check_setup(checks, device):
+        return
     dataset = RecordingDataset(digits(n=SAMPLES))
     loader = make_loader(dataset)
-    if not check_loader(checks, loader):
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, check_loader(checks, loader))
+    if not all(verdicts):  # every rank stops if any rank's loader is wrong (DDP would wait for it)
         return
     model = wrap(make_model(), device)
     with captured_stdout(echo=dist.get_rank() == 0) as printed:
         train(model, loader, device)
-    check_data(checks, dataset.by_epoch(len(loader.sampler)))
+    check_data(checks, dataset.by_epoch(len(loader.sampler)), loader.sampler)
     check_logging(checks, printed.getvalue())
     check_weights(checks, model, dataset.base)
 
