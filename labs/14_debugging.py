@@ -185,6 +185,7 @@ def diagnose(world_size: int) -> dict:
     The rank at fault: job 1, the rank that calls a collective the others never call; job 2, the
     rank whose tensor has a shape unlike the others'; job 3, the rank that raised first (the others
     only waited for it). Write a rank that depends on the world size as an expression of it."""
+    # (stuck? `make hint CH=14` prints hint 1 of 2; run it again for the next)
     # TODO: return {"job1": {"rank": ..., "line": "...", "cause": "..."}, "job2": {...}, "job3": {...}}
     raise NotImplementedError("the TODO above")
 

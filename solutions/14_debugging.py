@@ -200,6 +200,8 @@ def diagnose(world_size: int) -> dict:
     The rank at fault: job 1, the rank that calls a collective the others never call; job 2, the
     rank whose tensor has a shape unlike the others'; job 3, the rank that raised first (the others
     only waited for it). Write a rank that depends on the world size as an expression of it."""
+    # HINT 1: run each job with --broken: the ranks whose messages agree are the victims; read the one that differs.
+    # HINT 2: job 1: kill -USR1 every pid while it hangs; job 2: DETAIL prints each rank's shape; job 3: the first traceback.
     # BEGIN SOLUTION: return {"job1": {"rank": ..., "line": "...", "cause": "..."}, "job2": {...}, "job3": {...}}
     return {
         "job1": {"rank": 0, "line": "dist.all_reduce(loss)",
