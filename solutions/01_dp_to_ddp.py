@@ -217,8 +217,8 @@ def check_data(checks: Checks, seen: list[list[int]], sampler) -> None:
 def check_logging(checks: Checks, printed: str) -> None:
     rank, lines = dist.get_rank(), printed.strip().splitlines()
     if rank == 0:
-        checks.expect(len(lines) == EPOCHS, f"rank 0 printed {len(lines)} lines while training, expected one "
-                                            f"loss line per epoch ({EPOCHS})")
+        checks.expect(len(lines) == EPOCHS, f"printed {len(lines)} lines while training, expected one "
+                                            f"loss line per epoch ({EPOCHS}) from rank 0")
     else:
         checks.expect(not lines, f"printed {len(lines)} lines while training - log from rank 0 "
                                  f"only (if dist.get_rank() == 0: print(...))")
