@@ -23,7 +23,7 @@ import sys
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from ringside.launch import ROOT  # noqa: E402 - make test-gpu puts the course on PYTHONPATH
 
 
 def sanitizers() -> list[tuple[re.Pattern, str]]:

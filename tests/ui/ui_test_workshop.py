@@ -28,7 +28,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,7 +36,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from ringside.launch import ROOT, free_port  # noqa: E402
+
 CHROMIUM = os.environ.get("RINGSIDE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -62,12 +62,6 @@ TIMINGS: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- the JupyterLab server
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def course_copy(tmp: Path, notebooks: list[Path]) -> Path:
     """A copy of the course for JupyterLab to serve: chapters/ holds copies of the notebooks
