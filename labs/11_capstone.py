@@ -9,9 +9,10 @@ crashes a run on purpose, resumes it and compares.
 Run the lab (the self-check) with 2 processes:
     make lab CH=11 NPROC=2
     (or: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 labs/11_capstone.py)
-Train for real, let rank 1 die at step 30 and torchrun restart the job from its last checkpoint:
+Train for real, let rank 1 die before step 35 and torchrun restart the job, which resumes from the
+checkpoint of step 30 (checkpoints every 10 steps: a kill at a checkpoint step would race its write):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
-        labs/11_capstone.py --out runs/killed --kill-rank 1 --kill-at-step 30 --no-resume-check
+        labs/11_capstone.py --out runs/killed --kill-rank 1 --kill-at-step 35 --no-resume-check
 More options: --help (e.g. --data mnist --data-dir ~/data for torchvision's MNIST on disk).
 """
 # LAB: fill in every TODO, then run it with torchrun (the command is in the docstring).
@@ -56,13 +57,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
-                   help="autocast + GradScaler: float16 on a GPU, bfloat16 on the CPU (default: on a GPU "
-                        "only; a CPU without bfloat16 units runs these convolutions about 7x slower)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/checkpoint.pt (automatic when torchrun restarts the job)")
+                   help="autocast: bfloat16 on a GPU that has it, else float16 + GradScaler; bfloat16 on the "
+                        "CPU (default: on a GPU only; a CPU without bfloat16 units runs these convolutions "
+                        "about 7x slower)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start afresh even if OUT/checkpoint.pt exists (by default a run resumes from it: "
+                        "that is how a job restarted by torchrun, or relaunched by hand, continues)")
     p.add_argument("--kill-rank", type=int, default=1, help="fault injection: the rank that dies")
     p.add_argument("--kill-at-step", type=int, default=None,
-                   help="fault injection: that rank kills itself (SIGKILL) before this step, first attempt only")
+                   help="fault injection: that rank kills itself (SIGKILL) before this step, unless the run "
+                        "resumed from a checkpoint")
     p.add_argument("--resume-check", action=argparse.BooleanOptionalAction, default=True,
                    help="the self-check also crashes a second run on purpose, resumes it and compares")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -76,26 +80,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def join_group() -> Rank:
     """Join torchrun's process group, in a key space of this attempt's own.
 
-    torchrun keeps one key-value store for the whole job, restarts included, and the ranks of a
-    killed attempt leave their addresses in it. A restarted rank that reads such a stale key
-    connects to a dead process ("Connection refused"): measured here in about half of the
-    restarts. A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts apart."""
+    torchrun may keep one key-value store for the whole job, restarts included, and the ranks of
+    a killed attempt leave their addresses in it: a restarted rank that read such a stale key would
+    connect to a dead process. So every attempt works under its own prefix. The attempt's number
+    must be the same on every rank of every node: TORCHELASTIC_RESTART_COUNT is not (each node's
+    agent counts its own restarts: one whose workers crashed counts, one whose workers were still
+    running may not). Instead every rank adds 1 to a counter in the store when it joins: the
+    ranks of attempt k read k * world_size + 1 ... (k + 1) * world_size, whichever node they are on."""
     rank, world_size, local_rank = identity_from_env()
     backend, device_type = pick_backend()
     device = device_for(device_type, local_rank)
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_hosts_store, timeout=DEFAULT_TIMEOUT)
-    store = dist.PrefixStore(f"attempt_{restart_count()}", store)
+    attempt = (store.add("capstone/joined", 1) - 1) // world_size
+    store = dist.PrefixStore(f"capstone/attempt_{attempt}", store)
     kwargs = {"device_id": device} if device_type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=DEFAULT_TIMEOUT, **kwargs)
     return Rank(rank, world_size, local_rank, dist.get_backend(), device)
-
-
-def restart_count() -> int:
-    """How many times torchrun has restarted this job (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 # --- Data: real digits, one shard per rank, augmentation seeded per rank and step -----------
@@ -119,7 +122,8 @@ def load_data(args: argparse.Namespace) -> tuple[TensorDataset, TensorDataset]:
 
 def make_train_loader(train_set: TensorDataset, batch_per_rank: int, seed: int, me: Rank) -> DataLoader:
     """This rank's shuffled share of the training set, in batches of batch_per_rank."""
-    # TODO: a DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed) as the DataLoader's sampler (drop_last=True in the DataLoader, so every step is a full batch)
+    # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+    # TODO: return this rank's loader: its own shard of a shuffled order that every rank agrees on (a new one each epoch after set_epoch), in full batches of batch_per_rank
     raise NotImplementedError("the TODO above")
 
 
@@ -132,9 +136,11 @@ def augment_seed(seed: int, rank: int, epoch: int, step: int) -> int:
     return ((seed * 1_000 + rank) * 10_000 + epoch) * 1_000_000 + step
 
 
-def augment(images: torch.Tensor, seed: int) -> torch.Tensor:
-    """A random small rotation, shift and zoom of every image, drawn from `seed` alone."""
-    # TODO: inside torch.random.fork_rng(), call torch.manual_seed(seed), then apply AUGMENT to each image separately (a batch would share one draw) and stack
+def augment(images: torch.Tensor, seed: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """A random small rotation, shift and zoom of every image, drawn from `seed` alone; this rank's
+    random streams (on the CPU and on `device`, the one the rank trains on) are left as they were."""
+    # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+    # TODO: return the augmented batch, every image with its own draw, the whole batch determined by `seed` alone, every random stream of this rank as it was before
     raise NotImplementedError("the TODO above")
 
 
@@ -169,23 +175,28 @@ def rank_ordered_mean(state, bucket: dist.GradBucket) -> torch.futures.Future[to
 
 def build_model(net: nn.Module, me: Rank) -> DDP:
     """The network with its BatchNorm synchronized over all ranks, on this rank's device, in DDP."""
-    # TODO: convert_sync_batchnorm(net) (nn.SyncBatchNorm on nccl, ringside's on gloo), move it to me.device, wrap in DDP (device_ids=[me.device.index] on a GPU, None on the CPU)
+    # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+    # TODO: return the network in DDP on me.device, its BatchNorm layers computing their statistics over all ranks' batches
     raise NotImplementedError("the TODO above")
     model.register_comm_hook(None, rank_ordered_mean)
     return model
 
 
 def amp_dtype(args: argparse.Namespace, me: Rank) -> torch.dtype | None:
-    """float16 on a GPU (needs the GradScaler), bfloat16 on the CPU (float32's range), or None."""
+    """The autocast type, or None: bfloat16 where the GPU has it (Ampere and later: float32's range,
+    no scaler needed), else float16 (needs the GradScaler); bfloat16 on the CPU (only with --amp)."""
     if not (args.amp if args.amp is not None else me.device.type == "cuda"):
         return None
-    return torch.float16 if me.device.type == "cuda" else torch.bfloat16
+    if me.device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16
 
 
 def train_step(model: DDP, images: torch.Tensor, labels: torch.Tensor, optimizer: torch.optim.Optimizer,
                scaler: torch.amp.GradScaler, dtype: torch.dtype | None) -> torch.Tensor:
     """One optimizer step on this rank's batch; returns the loss (detached)."""
-    # TODO: forward and loss under torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None); scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update(); zero the gradients
+    # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+    # TODO: one mixed-precision step on this batch: forward and loss in `dtype` (full precision when None), gradients through the scaler (a step with inf or NaN gradients is skipped and the scale adapts), gradients cleared afterwards
     raise NotImplementedError("the TODO above")
     return loss.detach()
 
@@ -206,13 +217,15 @@ class Progress:
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write `state` to `path` so that a crash mid-write never leaves a broken file at `path`."""
-    # TODO: torch.save into a temporary file in the same folder, flush and os.fsync it, then os.replace(temporary, path); delete the temporary file if saving fails
+    # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+    # TODO: write `state` to `path` so that whatever happens mid-write, `path` holds either the previous checkpoint or the new one, and no partial file stays behind
     raise NotImplementedError("the TODO above")
 
 
 def read_checkpoint(path: Path, device: torch.device) -> dict:
     """Load a checkpoint's tensors onto `device`, refusing anything that is not plain data."""
-    # TODO: torch.load(path, map_location=device, weights_only=True): tensors and plain containers only, no pickled code runs
+    # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+    # TODO: return the checkpoint's contents with their tensors on `device`, refusing (raising) on anything that is not tensors and plain containers
     raise NotImplementedError("the TODO above")
 
 
@@ -224,7 +237,8 @@ def checkpoint_state(model: DDP, optimizer, scheduler, scaler, progress: Progres
 
 def restore(state: dict, model: DDP, optimizer, scheduler, scaler) -> Progress:
     """Put every piece of training state back; return where the run stopped."""
-    # TODO: load_state_dict into model.module, the optimizer (its momentum), the scheduler (its step count) and the scaler; return Progress(**state["progress"])
+    # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+    # TODO: put every piece of training state in `state` back into the objects, and return where the run stopped
     raise NotImplementedError("the TODO above")
 
 
@@ -239,7 +253,8 @@ def evaluate(net: nn.Module, test_set: TensorDataset, me: Rank, batch_size: int 
     with different numbers of test batches would then wait for each other forever."""
     was_training = net.training
     net.eval()
-    # TODO: take the indices me.rank, me.rank + world_size, ... (each image once: no padding, unlike DistributedSampler); add up loss (reduction="sum"), correct and count in one float64 tensor; all_reduce it
+    # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+    # TODO: set `totals` to float64 [loss sum, correct, count] over the whole test set, each image counted exactly once across the ranks, the same on every rank
     raise NotImplementedError("the TODO above")
     net.train(was_training)
     loss_sum, correct, count = totals.tolist()
@@ -254,8 +269,9 @@ class SimulatedCrash(Exception):
 
 
 def maybe_die(args: argparse.Namespace, me: Rank, step: int) -> None:
-    """Fault injection for the demo and the test: one rank dies hard, on the first attempt only."""
-    if args.kill_at_step == step and me.rank == args.kill_rank and restart_count() == 0:
+    """Fault injection for the demo and the test: one rank dies hard (train calls it only in a run
+    that did not resume, so the restarted job gets past the step)."""
+    if args.kill_at_step == step and me.rank == args.kill_rank:
         print(f"rank {me.rank}: killing myself (SIGKILL) before step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -290,15 +306,20 @@ class Result:
 
 
 def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) -> Result:
-    """The whole run; resumes from OUT/checkpoint.pt after a torchrun restart or with --resume."""
+    """The whole run; resumes from OUT/checkpoint.pt when it exists (unless --fresh): a job that
+    torchrun restarts, or that is launched again by hand, continues where the last checkpoint left
+    it. A finished run removes its checkpoint (final.pt keeps the weights)."""
     out = Path(args.out)
     ckpt = out / "checkpoint.pt"
-    resuming = (args.resume or restart_count() > 0) and ckpt.exists()
     if me.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        if not resuming:  # a fresh run must never resume from an older run's checkpoint later
+        if args.fresh:
             ckpt.unlink(missing_ok=True)
-    dist.barrier()
+    # Rank 0 looks and tells every rank: all ranks must take the same branch, and a rank that looked
+    # on its own could see the file a moment earlier or later (on another node, a shared file system).
+    found = torch.tensor([float(me.is_main and ckpt.exists())], device=me.device)
+    dist.broadcast(found, src=0)
+    resuming = bool(found.item())
 
     train_set, test_set = load_data(args)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
@@ -311,14 +332,14 @@ def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) 
     total_steps = args.epochs * len(loader)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     dtype = amp_dtype(args, me)
-    scaler = torch.amp.GradScaler(me.device.type, enabled=dtype is not None)
+    scaler = torch.amp.GradScaler(me.device.type, enabled=dtype == torch.float16)  # bfloat16 needs none
 
     progress, resumed_from = Progress(), None
     if resuming:
         state = read_checkpoint(ckpt, me.device)
         if state["world_size"] != me.world_size:
             raise RuntimeError(f"{ckpt} was written by {state['world_size']} ranks, this job has "
-                               f"{me.world_size}: resume with the same number, or start afresh")
+                               f"{me.world_size}: resume with the same number, or start afresh (--fresh)")
         progress = restore(state, model, optimizer, scheduler, scaler)
         resumed_from = progress.global_step
         print0(f"resumed from {ckpt} at epoch {progress.epoch}, step {progress.global_step}")
@@ -328,14 +349,16 @@ def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) 
     steps_run = 0
     for epoch in range(progress.epoch, args.epochs):
         model.train()
-        # TODO: give the sampler this epoch (same order on a rerun, a new one each epoch), then skip the progress.step_in_epoch batches a resumed run has already done (itertools.islice)
+        # (stuck? `make hint CH=11` prints hint 1 of 2; run it again for the next)
+        # TODO: set `batches` to this epoch's batches in the order every rank agrees on (a new one each epoch, the same on a rerun), without those a resumed run already did
         raise NotImplementedError("the TODO above")
         for images, labels in batches:
-            maybe_die(args, me, progress.global_step)
+            if resumed_from is None:
+                maybe_die(args, me, progress.global_step)
             if crash_at_step == progress.global_step:
                 bar.close()
                 raise SimulatedCrash(f"crashed on purpose before step {crash_at_step}")
-            images = augment(images, augment_seed(args.seed, me.rank, epoch, progress.step_in_epoch))
+            images = augment(images, augment_seed(args.seed, me.rank, epoch, progress.step_in_epoch), me.device)
             loss = train_step(model, images.to(me.device), labels.to(me.device), optimizer, scaler, dtype)
             scheduler.step()
             dist.all_reduce(loss)  # for the log only: the mean loss over the ranks
@@ -363,6 +386,7 @@ def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) 
         save_checkpoint(out / "final.pt", model.module.state_dict())
         (out / "history.json").write_text(json.dumps(progress.history, indent=1))
         save_curves(progress.history, out / "curves.png")
+        ckpt.unlink(missing_ok=True)  # finished: a later run in this folder starts afresh
     return Result(model, loader, progress, resumed_from, steps_run, test)
 
 
@@ -371,19 +395,38 @@ def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) 
 
 def check_sharding(checks: Checks, result: Result, train_size: int, args: argparse.Namespace, me: Rank) -> None:
     batch = args.batch_size // me.world_size
-    expected = -(-train_size // me.world_size) // batch  # this rank's share, in full batches
+    share = -(-train_size // me.world_size)  # DistributedSampler's share per rank
+    expected = share // batch  # in full batches
     steps = len(result.loader)
-    checks.expect(steps == expected,
-                  f"an epoch has {steps} steps per rank, expected {expected}: every rank trains on "
-                  f"{'the whole data set - give the DistributedSampler num_replicas=world_size and rank=rank' if steps > expected else 'too little data'}")
+    if steps == -(-share // batch) and steps != expected:
+        hint = ("the last batch of each epoch is a partial one - drop_last=True in the DataLoader, so that "
+                "every step is a full batch on every rank")
+    elif steps > expected:
+        hint = ("every rank trains on the whole data set - give the DistributedSampler num_replicas=world_size "
+                "and rank=rank")
+    else:
+        hint = "too little data per rank"
+    checks.expect(steps == expected, f"an epoch has {steps} steps per rank, expected {expected}: {hint}")
     sampler = result.loader.sampler
     checks.expect(isinstance(sampler, DistributedSampler) and sampler.epoch == args.epochs - 1,
                   f"after {args.epochs} epochs the sampler's epoch is {getattr(sampler, 'epoch', None)}: "
                   f"every epoch saw the same order - call loader.sampler.set_epoch(epoch) each epoch")
+    every = [None] * me.world_size
+    dist.all_gather_object(every, list(sampler))
+    covered = len(set().union(*map(set, every)))
+    checks.expect(covered == train_size,
+                  f"the ranks' shards together cover {covered} of {train_size} training images (they overlap): "
+                  f"the sampler's seed must be the same on every rank (seed, not seed + rank), so that all ranks "
+                  f"cut one shared permutation")
 
 
 def check_replicas(checks: Checks, model: nn.Module) -> None:
-    copies = all_gather_tensor(flat_params(model))
+    weights = flat_params(model)
+    if not checks.expect(bool(torch.isfinite(weights).all()),
+                         "the weights are NaN or inf after training: a step was taken with inf or NaN "
+                         "gradients (scaler.step(optimizer) skips those) or the learning rate diverged"):
+        return
+    copies = all_gather_tensor(weights)
     worst = max(max_diff(copies[0], other) for other in copies)
     checks.expect(worst == 0.0, f"the ranks' weights differ after training (max diff {worst:.2e}): "
                                 f"did you wrap the model in DDP, so that gradients are averaged?")
@@ -392,6 +435,109 @@ def check_replicas(checks: Checks, model: nn.Module) -> None:
     checks.expect(all(isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm)) for m in batchnorms),
                   "some BatchNorm layers are not synchronized: each rank normalizes with its own "
                   "small batch - call convert_sync_batchnorm(net) before wrapping in DDP")
+
+
+AMP_HINTS = {
+    "no scale": "the loss was not scaled: backward on scaler.scale(loss), so that small float16 gradients "
+                "survive (scaler.step divides them by the scale)",
+    "optimizer.step": "optimizer.step() used the scaled gradients and stepped with inf ones: call "
+                      "scaler.step(optimizer), which unscales and skips a step whose gradients hold an inf or NaN",
+    "no update": "the scale did not change after the step with inf gradients: call scaler.update() after "
+                 "scaler.step(optimizer)",
+    "no zero_grad": "the gradients add up across steps: zero them once per step (optimizer.zero_grad)",
+}
+
+
+def amp_steps(step_fn, device: torch.device) -> tuple[list[tuple[torch.Tensor, float]], Exception | None]:
+    """Four steps of a tiny model under float16 autocast with an enabled GradScaler (on the CPU too:
+    its float16 overflows are real); the third batch holds an inf. Returns (weights, scale) after
+    each step done, and the error that stopped the steps (None when all four ran)."""
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
+    trajectory = []
+    for step in range(4):
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+        if step == 2:
+            x[0, 0] = float("inf")
+        try:
+            step_fn(model, x.to(device), y.to(device), optimizer, scaler)
+        except NotImplementedError:
+            raise
+        except Exception as error:  # a step that raises is a finding: keep what ran before it
+            return trajectory, error
+        trajectory.append((flat_params(model), float(scaler.get_scale())))
+    return trajectory, None
+
+
+def reference_amp_step(variant: str | None):
+    """The right train step, or one classic mistake in it (a key of AMP_HINTS)."""
+    def step(model, images, labels, optimizer, scaler):
+        with torch.autocast(images.device.type, dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        (loss if variant == "no scale" else scaler.scale(loss)).backward()
+        optimizer.step() if variant == "optimizer.step" else scaler.step(optimizer)
+        if variant != "no update":
+            scaler.update()
+        if variant != "no zero_grad":
+            optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def check_amp_step(checks: Checks, me: Rank) -> None:
+    """train_step with float16 autocast and an enabled GradScaler, against the right step and the
+    classic wrong ones (the default CPU run trains without them, so this is where they show)."""
+    dtypes = []
+
+    def learners_step(model, images, labels, optimizer, scaler):
+        hook = model[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+        try:
+            train_step(model, images, labels, optimizer, scaler, torch.float16)
+        finally:
+            hook.remove()
+
+    mine, error = amp_steps(learners_step, me.device)
+    if dtypes and dtypes[0] != torch.float16:
+        checks.fail(f"with dtype=float16 the forward ran in {dtypes[0]}: run the forward and the loss inside "
+                    f"torch.autocast(images.device.type, dtype=dtype)")
+        return
+    if error is not None:
+        said = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        known = {"_scale is None": "backward on scaler.scale(loss), not on the loss itself",
+                 "No inf checks": "scaler.step(optimizer) unscales and checks the gradients: call it instead "
+                                  "of optimizer.step()",
+                 "since the last update()": "call scaler.update() once per step, after scaler.step(optimizer)"}
+        hint = next((f" - {h}" for words, h in known.items() if words in said), "")
+        checks.fail(f"float16 + GradScaler: train_step raised at step {len(mine)}: {type(error).__name__}: "
+                    f"{said}{hint}")
+        return
+    ref, _ = amp_steps(reference_amp_step(None), me.device)
+    variants = {name: amp_steps(reference_amp_step(name), me.device)[0] for name in AMP_HINTS}
+
+    def same(a, b) -> bool:  # the same operations in the same order: equal up to float32 rounding
+        return max_diff(a[0], b[0]) <= 1e-6 and a[1] == b[1]
+
+    for t, (got, want) in enumerate(zip(mine, ref)):
+        if same(got, want):
+            continue
+        fits = [name for name, run in variants.items()
+                if len(run) > t and all(same(a, b) for a, b in zip(mine[:t + 1], run))]
+        hint = "; or ".join(AMP_HINTS[name] for name in fits) or (
+            "autocast around forward and loss, scaler.scale(loss).backward(), scaler.step(optimizer), "
+            "scaler.update(), then zero the gradients")
+        if not bool(torch.isfinite(got[0]).all()):
+            checks.fail(f"float16 + GradScaler: the weights are NaN or inf after step {t} (its batch held an "
+                        f"inf): {hint}")
+        else:
+            checks.fail(f"float16 + GradScaler: after step {t} the weights differ from the right step's by "
+                        f"{max_diff(got[0], want[0]):.2e} and the scale is {got[1]:g} (expected {want[1]:g}): {hint}")
+        return
+    checks.expect(True, "")
 
 
 def check_evaluation(checks: Checks, result: Result, test_set: TensorDataset) -> None:
@@ -465,14 +611,14 @@ def check_resume(checks: Checks, args: argparse.Namespace, me: Rank, reference: 
     crash = steps_per_epoch * (args.epochs // 2) + steps_per_epoch // 2 + 3  # mid-epoch, past a checkpoint
     crash += 1 if crash % args.checkpoint_every == 0 else 0
     last_checkpoint = crash - crash % args.checkpoint_every
-    run = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / "resume-check"), "resume": False,
+    run = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / "resume-check"), "fresh": True,
                                 "progress": False, "kill_at_step": None})
     try:
         train(run, me, crash_at_step=crash)
     except SimulatedCrash:
         pass
     print0(f"resume check: crashed before step {crash}, resuming from the checkpoint of step {last_checkpoint}")
-    resumed = train(argparse.Namespace(**{**vars(run), "resume": True}), me)
+    resumed = train(argparse.Namespace(**{**vars(run), "fresh": False}), me)
     checks.expect(resumed.resumed_from == last_checkpoint,
                   f"the resumed run started at step {resumed.resumed_from}, the last checkpoint was at step "
                   f"{last_checkpoint}: restore Progress from the checkpoint")
@@ -499,6 +645,7 @@ def main(checks: Checks) -> None:
     train_set, test_set = load_data(args)
     check_sharding(checks, result, len(train_set), args, me)
     check_replicas(checks, result.model)
+    check_amp_step(checks, me)
     check_evaluation(checks, result, test_set)
     check_accuracy(checks, result, args)
     check_atomic_save(checks, Path(args.out), me)

@@ -4,6 +4,9 @@ from mutation import Mutation
 
 NPROCS = (2, 4)
 
+AUTOCAST = ("    with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):\n"
+            "        loss = F.cross_entropy(model(images), labels)\n")
+
 MUTATIONS = [
     Mutation("no set_epoch", "        loader.sampler.set_epoch(epoch)\n", "",
              "call loader.sampler.set_epoch(epoch) each epoch"),
@@ -11,10 +14,31 @@ MUTATIONS = [
              "DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed)\n",
              "DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=seed)\n",
              "every rank trains on the whole data set"),
+    Mutation("sampler seeded with the rank",
+             "DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed)\n",
+             "DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, "
+             "seed=seed + me.rank)\n",
+             "the sampler's seed must be the same on every rank"),
+    Mutation("no drop_last", "sampler=sampler, drop_last=True)\n", "sampler=sampler)\n",
+             "drop_last=True in the DataLoader"),
+    Mutation("loss not scaled", "    scaler.scale(loss).backward()  #", "    loss.backward()  #",
+             "backward on scaler.scale(loss)"),
+    Mutation("optimizer.step instead of scaler.step", "    scaler.step(optimizer)  # unscales",
+             "    optimizer.step()  # unscales", "call it instead of optimizer.step()"),
+    Mutation("no scaler.update", "    scaler.update()\n    optimizer.zero_grad(set_to_none=True)\n",
+             "    optimizer.zero_grad(set_to_none=True)\n", "call scaler.update() once per step"),
+    Mutation("gradients never zeroed", "    scaler.update()\n    optimizer.zero_grad(set_to_none=True)\n",
+             "    scaler.update()\n", "the gradients add up across steps"),
+    Mutation("no autocast", AUTOCAST, "    loss = F.cross_entropy(model(images), labels)\n",
+             "the forward ran in torch.float32"),
+    Mutation("BatchNorm not synchronized", "    net = convert_sync_batchnorm(net).to(me.device)\n",
+             "    net = net.to(me.device)\n", "some BatchNorm layers are not synchronized"),
     Mutation("evaluation with DistributedSampler's padding",
-             "mine = torch.arange(me.rank, len(test_set), me.world_size)",
-             "mine = torch.tensor(list(DistributedSampler(test_set, me.world_size, me.rank, shuffle=False)))",
+             "    mine = torch.arange(me.rank, len(test_set), me.world_size)\n",
+             "    mine = torch.tensor(list(DistributedSampler(test_set, me.world_size, me.rank, shuffle=False)))\n",
              "some images were counted twice"),
+    Mutation("evaluation totals not all-reduced", "    dist.all_reduce(totals)\n", "",
+             "did you all_reduce the totals?"),
     Mutation("torch.save straight onto the checkpoint",
              '    tmp = path.with_name(f".{path.name}.tmp")\n',
              '    tmp = path\n',
@@ -22,12 +46,14 @@ MUTATIONS = [
     Mutation("weights_only=False", "return torch.load(path, map_location=device, weights_only=True)",
              "return torch.load(path, map_location=device, weights_only=False)",
              "pass weights_only=True"),
-    Mutation("resume restarts the epoch", "batches = itertools.islice(loader, progress.step_in_epoch, None)",
-             "batches = loader", "do not restart the epoch"),
+    Mutation("resume restarts the epoch", "        batches = itertools.islice(loader, progress.step_in_epoch, None)\n",
+             "        batches = loader\n", "do not restart the epoch"),
     Mutation("optimizer state not restored", "    optimizer.load_state_dict(state[\"optimizer\"])\n", "",
              "restore the optimizer (momentum)"),
+    Mutation("scheduler state not restored", "    scheduler.load_state_dict(state[\"scheduler\"])\n", "",
+             "restore the optimizer (momentum), scheduler and scaler"),
     Mutation("augmentation from the global random state",
-             "    with torch.random.fork_rng(devices=[]):  # leave the global random state as it was\n"
+             "    with torch.random.fork_rng(devices=rank_devices):\n"
              "        torch.manual_seed(seed)\n        return torch.stack",
              "    return torch.stack", "seed the augmentation from"),
 ]
