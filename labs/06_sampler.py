@@ -64,12 +64,12 @@ def indexed_digits(n: int = 300) -> TensorDataset:
     return TensorDataset(x, y, torch.arange(n))
 
 
-def train(dataset: TensorDataset, epochs: int = 3, batch_size: int = 16, base_lr: float = 0.05,
-          seed: int = 0) -> list[list[int]]:
+def train(dataset: TensorDataset, device: torch.device, epochs: int = 3, batch_size: int = 16,
+          base_lr: float = 0.05, seed: int = 0) -> list[list[int]]:
     """A colleague's DDP training loop. Its loss goes down, yet the check finds a bug in the order
     in which it reads the data. Returns the sample indices this rank read, epoch by epoch."""
     torch.manual_seed(seed)
-    model = DDP(nn.Linear(64, 10))
+    model = DDP(nn.Linear(64, 10).to(device))
     sampler = DistributedSampler(dataset, shuffle=True, seed=seed)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     # the global batch is batch_size x world_size: scale the learning rate with it (linear rule)
@@ -81,7 +81,7 @@ def train(dataset: TensorDataset, epochs: int = 3, batch_size: int = 16, base_lr
         raise NotImplementedError("the TODO above")
         order = []
         for x, y, index in loader:
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -262,7 +262,7 @@ def check_training_order(checks: Checks, dataset: TensorDataset, seen: list[list
 def main(me: Rank, checks: Checks) -> None:
     check_grid(checks)
     dataset = indexed_digits(300)
-    seen = train(dataset)
+    seen = train(dataset, me.device)
     check_training_order(checks, dataset, seen)
 
 

@@ -3,7 +3,7 @@
 from mutation import Mutation
 
 LOOP = ("        sampler.set_epoch(epoch)\n        # END SOLUTION\n        order = []\n"
-        "        for x, y, index in loader:\n            loss = F.cross_entropy(model(x), y)\n"
+        "        for x, y, index in loader:\n            loss = F.cross_entropy(model(x.to(device)), y.to(device))\n"
         "            optimizer.zero_grad()\n            loss.backward()\n            optimizer.step()\n"
         "            order += index.tolist()\n")
 
