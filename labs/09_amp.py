@@ -97,23 +97,27 @@ def gradient_sequence(seed: int) -> list[torch.Tensor]:
 
 
 def replay(scaler, grads: list[torch.Tensor]) -> tuple[list[float], list[bool], list[torch.Tensor]]:
-    """Train one parameter vector with SGD on a loss whose gradient is g_t, through `scaler` (the
-    usual order: scale, backward, unscale_, step, update). The loss's value is 0 while g_t is finite:
-    whether to skip must come from the gradients, never from the loss. Returns the scale after every
-    update, whether every step was skipped (weights unchanged), and the weights after it."""
-    p = nn.Parameter(torch.ones(6))
-    optimizer = torch.optim.SGD([p], lr=0.1)
+    """Train two parameter vectors with SGD on a loss whose gradient is g_t (its first 3 numbers for
+    the first parameter, the last 3 for the second), through `scaler` (the usual order: scale,
+    backward, unscale_, step, update). The planted inf and NaN sit in the first parameter only. The
+    loss's value is 0 while g_t is finite: whether to skip must come from the gradients, never from
+    the loss. Returns the scale after every update, whether every step was skipped (weights
+    unchanged), and the weights (both parameters, concatenated) after it."""
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([a, b], lr=0.1)
     scales, skipped, weights = [], [], []
     for g in grads:
         optimizer.zero_grad()
-        scaler.scale((p * g).sum() - (p.detach() * g).sum()).backward()
+        loss = (a * g[:3]).sum() + (b * g[3:]).sum()
+        scaler.scale(loss - loss.detach()).backward()
         scaler.unscale_(optimizer)  # where gradient clipping would go
-        before = p.detach().clone()
+        before = torch.cat([a.detach(), b.detach()])
         scaler.step(optimizer)
         scaler.update()
         scales.append(float(scaler.get_scale()))
-        skipped.append(torch.equal(before, p.detach()))
-        weights.append(p.detach().clone())
+        after = torch.cat([a.detach(), b.detach()])
+        skipped.append(torch.equal(before, after))
+        weights.append(after)
     return scales, skipped, weights
 
 
@@ -170,7 +174,9 @@ def diagnose_replay(mine, ref, grads) -> str | None:
                         f"inf while the loss stayed finite: test every gradient (after backward, in unscale_), "
                         f"not the loss")
             return (f"{what}: GradScaler skips it, yours took the step - step() must not call "
-                    f"optimizer.step() when unscale_ found an inf or a NaN")
+                    f"optimizer.step() when unscale_ found an inf or a NaN; or unscale_ lost the finding: the "
+                    f"inf sits in the first parameter, and the test of the next, finite one overwrote found_inf "
+                    f"(combine the tests with `or`)")
         if nan:
             return (f"{what} - the optimizer stepped with gradients that were not finite: step() must skip "
                     f"when unscale_ found an inf or a NaN")

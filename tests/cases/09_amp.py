@@ -20,6 +20,8 @@ MUTATIONS = [
              "unscale_ must divide every p.grad by the scale"),
     Mutation("isinf misses NaN", "not bool(torch.isfinite(p.grad).all())", "bool(torch.isinf(p.grad).any())",
              "a NaN is not an inf"),
+    Mutation("found_inf overwritten by the next parameter", "found_inf = found_inf or not bool(torch.isfinite(",
+             "found_inf = not bool(torch.isfinite(", "the test of the next, finite one overwrote found_inf"),
     Mutation("the loss tested instead of the gradients", LOSS_TO_UNSCALE_END, LOSS_TESTED, "not the loss"),
     Mutation("step taken on inf", "        if not self.found_inf:\n            optimizer.step()",
              "        optimizer.step()", "must not call optimizer.step() when unscale_ found an inf"),
