@@ -310,8 +310,9 @@ def main(me: Rank, checks: Checks) -> None:
     print0(f"per-rank batch sizes {batch_sizes(me.world_size)}, {CHANNELS} channels of {SIZE}x{SIZE}")
     broken = not_finite(got)
     if broken:  # NaN or inf is a finding of its own: no comparison can say more
-        checks.fail(f"{', '.join(broken)} hold NaN or inf: a division by a zero count, the square root of a "
-                    f"negative variance (sum_sq / count - mean**2 with mean**2 too large?) or eps left out")
+        checks.fail(f"{', '.join(broken)} hold NaN or inf: the square root of a negative variance - is the "
+                    f"count all_reduced together with the sums (a global sum over this rank's count makes "
+                    f"mean**2 larger than sum_sq / count)? - or a division by a zero count")
         return
     check_forward(checks, got, ref, me.rank, me.world_size)
     check_backward(checks, got, ref, me.rank, me.world_size)
