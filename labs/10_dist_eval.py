@@ -138,8 +138,8 @@ def check_metrics(checks: Checks, model: nn.Module, dataset: TensorDataset, accu
         return
     size = -(-n // world_size) * world_size
     hints = {
-        "no offset": f"the padding copies were left out only in each rank's first batch: the position of "
-                     f"a sample continues across batches - count the samples already seen and add them to k",
+        "no offset": ("the padding copies were left out only in each rank's first batch: the position of "
+                      "a sample continues across batches - count the samples already seen and add them to k"),
         "padded": f"you counted the padded duplicates: DistributedSampler repeats {size - n} sample(s) so every "
                   f"rank gets as many - leave out positions >= {n} (position = rank + k * world_size, k counted "
                   f"across all of this rank's batches)",
