@@ -183,6 +183,11 @@ def main(me: Rank, checks: Checks) -> None:
         model.train()  # as a training loop leaves it
         sums = local_sums(model, eval_loader(dataset), n, me.device)
         still_training = model.training
+        if not (torch.is_tensor(sums) and sums.shape == (3,) and sums.dtype == torch.float64):
+            checks.fail(f"local_sums returned {type(sums).__name__} {getattr(sums, 'dtype', '')} "
+                        f"{tuple(getattr(sums, 'shape', ()))}: return one float64 tensor [correct, count, loss_sum] "
+                        f"(float32 sums of 1,001 losses lose digits)")
+            return
         kept = sums.clone()
         accuracy, loss = exact_metrics(sums)
         if not torch.equal(kept, sums):

@@ -33,6 +33,8 @@ MUTATIONS = [
              "    dist.all_reduce(totals, op=dist.ReduceOp.MAX)\n", "not MAX", 3),
     Mutation("all_reduce on the caller's tensor", "    totals = sums.clone()\n", "    totals = sums\n",
              "exact_metrics changed its argument `sums` in place", 2),
+    Mutation("float32 sums", "sums = torch.zeros(3, dtype=torch.float64, device=device)",
+             "sums = torch.zeros(3, device=device)", "return one float64 tensor", 2),
     Mutation("batch mean losses added up", "sums[2] += losses[real].double().sum()",
              "sums[2] += losses[real].double().mean()", "per-sample losses, reduction='none'", 2),
 ]
