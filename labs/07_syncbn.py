@@ -283,6 +283,14 @@ def main(me: Rank, checks: Checks) -> None:
     got = mine(me.rank, me.world_size, me.device)
     ref = reference(me.world_size)
     print0(f"per-rank batch sizes {batch_sizes(me.world_size)}, {CHANNELS} channels of {SIZE}x{SIZE}")
+    expected_shapes = {name: tuple(my_slice(t, me.rank, me.world_size).shape if name in ("output", "grad_input")
+                                   else t.shape) for name, t in ref.items()}
+    wrong = [f"{name} {tuple(got[name].shape)} (expected {shape})" for name, shape in expected_shapes.items()
+             if tuple(got[name].shape) != shape]
+    if wrong:  # no comparison can run on tensors of another shape
+        checks.fail(f"wrong shapes: {', '.join(wrong)} - per-channel statistics have shape (C,), the output and "
+                    f"the input gradient the shape of x")
+        return
     broken = not_finite(got)
     if broken:  # NaN or inf is a finding of its own: no comparison can say more
         checks.fail(f"{', '.join(broken)} hold NaN or inf: the square root of a negative variance - is the "
