@@ -45,7 +45,7 @@ def make_model() -> nn.Module:
                          nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-# --- Your part: buckets, the gradient hook, the wait, no_sync, one accumulation window --------
+# --- Your part: buckets, the gradient hook, the wait, no_sync, one accumulation window ------------
 
 
 def make_buckets(params: list[torch.Tensor], cap: int) -> list[list[int]]:
@@ -114,7 +114,7 @@ def train_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
     raise NotImplementedError("the TODO above")
 
 
-# --- Training your DDP on this rank's micro-batches ------------------------------------------
+# --- Training your DDP on this rank's micro-batches -----------------------------------------------
 
 
 def rank_micro_batches(rank: int, world_size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -151,7 +151,7 @@ def train(model: HandDDP, windows: list, device: torch.device, events: list, aft
         events.append(("window end",))
 
 
-# --- The check ---------------------------------------------------------------------------------
+# --- The check ------------------------------------------------------------------------------------
 
 
 class RecordedWork:

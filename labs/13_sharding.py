@@ -43,7 +43,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 13), nn.Tanh(), nn.Linear(13, 10))
 
 
-# --- Your part: the pieces of a sharded Adam ---------------------------------------------------
+# --- Your part: the pieces of a sharded Adam ------------------------------------------------------
 
 
 def flatten_padded(tensors: list[torch.Tensor], world_size: int) -> torch.Tensor:
@@ -115,7 +115,7 @@ class ShardedAdam:
             p.grad = None
 
 
-# --- The training that uses it ------------------------------------------------------------------
+# --- The training that uses it --------------------------------------------------------------------
 
 
 def batches(rank: int, world_size: int, device: torch.device):
@@ -127,7 +127,7 @@ def batches(rank: int, world_size: int, device: torch.device):
         yield x[start:start + BATCH_PER_RANK].to(device), y[start:start + BATCH_PER_RANK].to(device)
 
 
-# --- The check ---------------------------------------------------------------------------------
+# --- The check ------------------------------------------------------------------------------------
 
 # What each collective sends per rank on a ring, as a fraction of the whole tensor S it works on
 # (chapter 04): all-reduce 2(N-1)/N * S; reduce-scatter and all-gather (N-1)/N * S each.

@@ -75,7 +75,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-# --- Forking ranks and collecting what they did (the one fork skeleton) ------------------------
+# --- Forking ranks and collecting what they did (the one fork skeleton) ---------------------------
 
 
 def _dumps(value: Any) -> bytes:
@@ -171,7 +171,7 @@ def _fork_and_collect(fn, n, args, kwargs, backend, timeout, collective_timeout,
     return reports
 
 
-# --- The rank starter: a fresh process that forks the ranks ------------------------------------
+# --- The rank starter: a fresh process that forks the ranks ---------------------------------------
 
 
 class _Starter:
@@ -317,7 +317,7 @@ def _run_job(job: dict, timeout: float) -> dict[int, tuple[str, Any, str]]:
     return reply
 
 
-# --- Processes with no group: chapter 05 ---------------------------------------------------------
+# --- Processes with no group: chapter 05 ----------------------------------------------------------
 
 
 class Outcome(NamedTuple):
@@ -413,7 +413,7 @@ def torchrun_script(
     return result
 
 
-# --- The same script on forked ranks (the tests' fast path) --------------------------------------
+# --- The same script on forked ranks (the tests' fast path) ---------------------------------------
 
 
 def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, err: str) -> None:
@@ -495,7 +495,7 @@ def _wait_pids(pids: list[int], timeout: float) -> list[int | None]:
     return [codes.get(pid) for pid in pids]
 
 
-# --- `make lab` and `make solution`: torchrun, with the lab's verdict as the last word ----------
+# --- `make lab` and `make solution`: torchrun, with the lab's verdict as the last word ------------
 
 
 def _agent_noise(line: str) -> bool:

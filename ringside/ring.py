@@ -33,7 +33,7 @@ MiB = 1024 * 1024
 SCATTER_REDUCE, ALL_GATHER = "scatter-reduce", "all-gather"
 
 
-# --- The schedule -------------------------------------------------------------------------
+# --- The schedule ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def bytes_sent(n: int, size: float) -> dict[str, float]:
     }
 
 
-# --- The naive way --------------------------------------------------------------------------
+# --- The naive way --------------------------------------------------------------------------------
 
 
 def naive_all_reduce(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -123,7 +123,7 @@ def naive_all_reduce(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
     return tensor
 
 
-# --- Pictures ---------------------------------------------------------------------------------
+# --- Pictures -------------------------------------------------------------------------------------
 
 LETTERS = "abcdefgh"
 
@@ -211,7 +211,7 @@ def step_through(max_ranks: int = 8):
     display(widgets.VBox([widgets.HBox([ranks, frame]), out]))
 
 
-# --- The cost model -------------------------------------------------------------------------
+# --- The cost model -------------------------------------------------------------------------------
 
 METHODS = ("naive", "ring", "all_reduce")
 

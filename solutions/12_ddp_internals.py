@@ -44,7 +44,7 @@ def make_model() -> nn.Module:
                          nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-# --- Your part: buckets, the gradient hook, the wait, no_sync, one accumulation window --------
+# --- Your part: buckets, the gradient hook, the wait, no_sync, one accumulation window ------------
 
 
 def make_buckets(params: list[torch.Tensor], cap: int) -> list[list[int]]:
@@ -160,7 +160,7 @@ def train_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
     # END SOLUTION
 
 
-# --- Training your DDP on this rank's micro-batches ------------------------------------------
+# --- Training your DDP on this rank's micro-batches -----------------------------------------------
 
 
 def rank_micro_batches(rank: int, world_size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -197,7 +197,7 @@ def train(model: HandDDP, windows: list, device: torch.device, events: list, aft
         events.append(("window end",))
 
 
-# --- The check ---------------------------------------------------------------------------------
+# --- The check ------------------------------------------------------------------------------------
 
 
 class RecordedWork:

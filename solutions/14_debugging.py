@@ -51,7 +51,7 @@ BATCH = 4  # job 3: samples per rank and step
 BAD_SAMPLE = 37  # job 3: the index of a corrupt record
 
 
-# -- what the three jobs share (correct as it is) ----------------------------------------------
+# --- What the three jobs share (correct as it is) -------------------------------------------------
 
 
 def training_data(device: torch.device, corrupt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +91,7 @@ def average_gradients_and_step(w: torch.Tensor, loss: torch.Tensor, me: Rank) ->
         w -= LR * w.grad / me.world_size
 
 
-# -- the three jobs as they were handed to you (leave these as they are) -----------------------
+# --- The three jobs as they were handed to you (leave these as they are) --------------------------
 
 
 def job1_broken(me: Rank) -> tuple[torch.Tensor, list[float]]:
@@ -134,7 +134,7 @@ def job3_broken(me: Rank) -> torch.Tensor:
     return w.detach()
 
 
-# --- Your part: the three jobs fixed, and your diagnosis ------------------------------------
+# --- Your part: the three jobs fixed, and your diagnosis ------------------------------------------
 
 
 def job1_fixed(me: Rank) -> tuple[torch.Tensor, list[float]]:
@@ -217,7 +217,7 @@ def diagnose(world_size: int) -> dict:
     # END SOLUTION
 
 
-# -- the checks: each fixed job against a single-process reference -----------------------------
+# --- The checks: each fixed job against a single-process reference --------------------------------
 
 
 def reference_job1() -> tuple[torch.Tensor, list[float]]:
@@ -407,7 +407,7 @@ def check_diagnoses(me: Rank, checks: Checks) -> None:
             checks.expect(True, "")
 
 
-# -- a broken job under the microscope (--broken jobN) -----------------------------------------
+# --- A broken job under the microscope (--broken jobN) --------------------------------------------
 
 
 def last_collectives(count: int = 2) -> list[str]:

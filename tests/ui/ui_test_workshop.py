@@ -61,7 +61,7 @@ NOTEBOOKS = chapter_notebooks()
 TIMINGS: dict[str, str] = {}
 
 
-# ---------------------------------------------------------------- the JupyterLab server
+# --- The JupyterLab server ------------------------------------------------------------------------
 
 def course_copy(tmp: Path, notebooks: list[Path]) -> Path:
     """A copy of the course for JupyterLab to serve: chapters/ holds copies of the notebooks
@@ -209,7 +209,7 @@ def report_timings(request):
                 reporter.write_line(line)
 
 
-# ---------------------------------------------------------------- what runs in the page
+# --- What runs in the page ------------------------------------------------------------------------
 
 # The open notebook panel; JupyterLab exposes its app as window.jupyterapp (--expose-app-in-browser).
 PANEL = "(() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;" \
@@ -357,7 +357,7 @@ def try_sliders(page, cell_index: int) -> tuple[list[str], list[str]]:
     return failures, changed
 
 
-# ---------------------------------------------------------------- the test
+# --- The test -------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(PAGE_TIMEOUT + RUN_ALL_TIMEOUT + 240)
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
