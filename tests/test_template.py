@@ -22,6 +22,8 @@ import torch
 from conftest import LAUNCH_TIMEOUT, ROOT
 from torch import nn
 
+from tools import cluster
+
 SCRIPT = ROOT / "template" / "train_ddp.py"
 TINY = ["--epochs", "2", "--log-every", "1000", "--checkpoint-every", "10"]
 STEPS = 88  # at 2 processes: 2 epochs of 44 steps of 2 x 16 images (1,437 training images)
@@ -160,18 +162,10 @@ def test_pretrained_strips_only_a_leading_module_prefix(tmp_path):
         t.load_pretrained(nn.Sequential(Wrapper()), str(tmp_path / "code.pt"))
 
 
-# --- Two hosts (network namespaces), c10d rendezvous, a killed rank ---------------------------------------
+# --- Two hosts (network namespaces), c10d rendezvous, a killed rank -------------------------------
 
 
-def cluster_module():
-    try:
-        from tools import cluster
-    except ImportError:  # before the move to tools/
-        from ringside import cluster
-    return cluster
-
-
-def c10d_job(cluster, out: Path, *args: str, hosts: int = 2, nproc: int = 2, timeout: float = LAUNCH_TIMEOUT):
+def c10d_job(out: Path, *args: str, hosts: int = 2, nproc: int = 2, timeout: float = LAUNCH_TIMEOUT):
     """The same torchrun command on every host, c10d rendezvous at host 0, one restart allowed."""
     env = dict(job_env(), GLOO_SOCKET_IFNAME="eth0")  # gloo talks over the hosts' own links
     procs = []
@@ -201,7 +195,6 @@ def c10d_job(cluster, out: Path, *args: str, hosts: int = 2, nproc: int = 2, tim
 
 
 def test_two_hosts_a_killed_rank_restarts_everywhere_and_resumes_bit_for_bit(tmp_path, four_processes):
-    cluster = cluster_module()
     reason = cluster.why_not()
     if reason:
         pytest.skip(reason)
@@ -213,7 +206,7 @@ def test_two_hosts_a_killed_rank_restarts_everywhere_and_resumes_bit_for_bit(tmp
         # Rank 3 lives on host 1. Its torchrun restarts its processes; host 0's sees its own fail
         # (or the rendezvous reopen) and restarts too - the two count restarts differently, which
         # the template does not depend on.
-        codes, logs = c10d_job(cluster, tmp_path / "killed", "--batch-size", "8", "--workers", "0",
+        codes, logs = c10d_job(tmp_path / "killed", "--batch-size", "8", "--workers", "0",
                                "--fail-at-step", "25", "--fail-rank", "3")
     finally:
         cluster.down()
