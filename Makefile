@@ -18,7 +18,7 @@ chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
 # pip, minus the warnings about package mirrors that this machine's pip.conf names but lacks
 PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
 
-.PHONY: help setup lab hint solution test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench
+.PHONY: help setup lab hint solution template test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench
 
 help: ## list the targets
 	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
@@ -50,6 +50,9 @@ solution: setup ## run the solution:  make solution CH=01 NPROC=4
 # personal python3 kernel exists; OMP_NUM_THREADS=1 (exported above) reaches the kernel and its
 # ranks. It opens the course map (README.md). Several learners on one box: PORT=8890 etc. (a busy
 # port makes JupyterLab try the next one and print its address).
+template: setup ## run the take-home training script: make template NPROC=4 (see template/README.md)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) template/train_ddp.py --out runs/template
+
 jupyter: setup ## open the course in JupyterLab on 127.0.0.1 (PORT=8888)
 	JUPYTER_PATH=$(CURDIR)/$(VENV)/share/jupyter $(VENV)/bin/jupyter lab --ip 127.0.0.1 --port $(PORT) \
 	    --ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root) \
@@ -84,7 +87,8 @@ test-gpu: ## (GPU machine) every solution on nccl, every notebook, the capstone'
 	if [ $$status != 0 ] && ! command -v nvidia-smi >/dev/null; then echo "make test-gpu: no CUDA GPU on this machine (no torch in $(GPU_PY), no nvidia-smi): nothing to check."; exit 0; fi; \
 	if [ $$status != 0 ]; then echo "make test-gpu: $(GPU_PY) cannot import torch (GPU_PY=... names another Python)"; exit 2; fi; \
 	start=$$(date +%s); \
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/gpu; status=$$?; \
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/gpu \
+	    tests/test_template.py -k gpu; status=$$?; \
 	echo "make test-gpu: $$($(GPU_PY) -c 'import torch; print(torch.cuda.get_device_name(0), "x", torch.cuda.device_count(), "- torch", torch.__version__)'), total $$(( $$(date +%s) - start )) s"; \
 	exit $$status
 

@@ -4,7 +4,7 @@
   the GPUs allow (nccl refuses two ranks on one GPU); a lab that needs more ranks than GPUs is skipped
   with its reason;
 - the capstone killed mid-run and restarted by torchrun on the GPU: bit-identical final weights;
-- the template (template/train_ddp.py) on 1 GPU;
+- the template (template/train_ddp.py) on 1 GPU (tests/test_template.py, selected by `-k gpu`);
 - every notebook top to bottom: with nbval where it is installed, else with tests/gpu/nbrun.py
   (the same comparison of text outputs, without Jupyter), four notebooks at a time.
 On a machine without CUDA every test here is skipped (`make test-gpu` says so in one line first).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, solutions, stem_ids
+from conftest import ROOT, solutions
 from mutation import nprocs
 
 from ringside.launch import quiet_env, torchrun_command
@@ -82,3 +82,25 @@ def test_every_notebook_top_to_bottom():
         results = list(pool.map(run_notebook, notebooks))
     failed = [f"{name}:\n{log}" for name, code, log in results if code != 0]
     assert not failed, "\n\n".join(failed)
+
+
+CAPSTONE = ROOT / "solutions" / "11_capstone.py"
+QUICK = ["--epochs", "2", "--no-resume-check"]
+
+
+@pytest.mark.skipif(not GPUS, reason="no CUDA GPU")
+def test_capstone_killed_on_the_gpu_resumes_bit_for_bit(tmp_path):
+    """One rank on nccl and autocast: killed at step 35 (after the step-30 checkpoint), restarted by
+    torchrun, it must end with the uninterrupted run's weights, bit for bit (deterministic cuDNN)."""
+    plain = torchrun(CAPSTONE, 1, "--out", str(tmp_path / "plain"), *QUICK)
+    assert plain.returncode == 0, (plain.stdout + plain.stderr)[-4000:]
+    killed = torchrun(CAPSTONE, 1, "--out", str(tmp_path / "killed"), *QUICK, "--kill-rank", "0",
+                      "--kill-at-step", "35", restarts=1)
+    log = killed.stdout + killed.stderr
+    assert killed.returncode == 0, log[-4000:]
+    assert "killing myself (SIGKILL) before step 35" in killed.stdout, log[-3000:]
+    assert "resumed from" in killed.stdout, log[-3000:]
+    a = torch.load(tmp_path / "plain" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"not bit-for-bit equal after the restart on the GPU: {different}"
