@@ -420,6 +420,9 @@ def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, e
     """In a forked rank: fresh stdout/stderr files, torchrun's variables, run the script as __main__."""
     code = 1
     try:
+        import faulthandler
+
+        faulthandler.disable()  # the caller's (pytest's) handler writes to the caller's terminal
         for fd, path in ((1, out), (2, err)):
             handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(handle, fd)

@@ -211,10 +211,13 @@ def check_grid(checks: Checks) -> None:
             if isinstance(got, str):
                 first_failure = f"{setting}: shard_indices raised {got}"
             elif touched and got == want:
+                # Two causes fit: torch.manual_seed in the sampler, or a permutation drawn from the
+                # global generator that matched by chance (1 in 6 for n=3): name both.
                 first_failure = (f"{setting}: the indices are right, but shard_indices changed torch's global "
-                                 f"random state - torch.manual_seed in a sampler resets every rank's own stream "
-                                 f"(dropout, augmentation) each epoch: seed a torch.Generator of its own and "
-                                 f"pass it to torch.randperm(n, generator=...)")
+                                 f"random state - either torch.manual_seed in the sampler (it resets every "
+                                 f"rank's own stream, dropout and augmentation, each epoch) or the permutation "
+                                 f"came from torch's global generator and matched by chance: seed a "
+                                 f"torch.Generator of its own and pass it to torch.randperm(n, generator=...)")
             elif touched:
                 first_failure = (f"{setting}: yours {got[:6]}, DistributedSampler {want[:6]} - the permutation "
                                  f"came from torch's global generator (each rank's own stream): pass your seeded "

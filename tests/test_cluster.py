@@ -29,25 +29,25 @@ def four_hosts():
         assert not leftover.strip(), f"processes of the job are still running: {leftover}"
 
 
-def test_ring_sits_on_the_bandwidth_bound_and_naive_does_not(four_hosts, tmp_path):
+def test_ring_sends_2_n_minus_1_over_n_per_host_and_naive_piles_on_the_root(four_hosts, tmp_path):
+    """What the interface counters show, which no load on the machine changes. (How close each method
+    comes to the bandwidth bound is a measurement: `make cluster-bench`, chapter 04 - not a test.)"""
     out = tmp_path / "cluster.json"
-    results = cluster.run_job(ROOT / "tools" / "cluster_bench.py", 4, "--sizes-mib", "16", "--reps", "9",
+    results = cluster.run_job(ROOT / "tools" / "cluster_bench.py", 4, "--sizes-mib", "16", "--reps", "2",
                               "--rate", "1gbit", "--out", str(out), timeout=240)
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     data = json.loads(out.read_text())
     rows = {row["method"]: row for row in data["rows"]}
-    size, n, link = rows["ring"]["bytes"], data["hosts"], data["link_bytes_per_s"]
-    bound = 2 * (n - 1) / n * size / link  # each host must send (and receive) 2(N-1)/N of the tensor
-    # The best of 9 repetitions: on a shared machine other programs can only add time.
-    ring, pipelined, naive = (rows[m]["best_seconds"] for m in ("ring", "ring_pipelined", "naive"))
-    # The byte counter: every host sent 2(N-1)/N x S in the ring (plus TCP/IP headers, under 5 %).
+    size, n = rows["ring"]["bytes"], data["hosts"]
+    # The ring: every host sent 2(N-1)/N x S (plus TCP/IP headers, under 5 %), the pipelined ring too.
     for sent in rows["ring"]["sent_per_host"] + rows["ring_pipelined"]["sent_per_host"]:
         assert 2 * (n - 1) / n * size <= sent <= 1.05 * 2 * (n - 1) / n * size
-    # Measured here on 2 cores (best of 9): pipelined ring (8 pieces) 1.06x the bound, the lab's plain ring 1.11-1.22x
-    # (each of its 6 steps pays a round trip and an addition while the link idles), naive 3.7x.
-    assert pipelined <= 1.10 * bound, f"pipelined ring {pipelined * 1000:.0f} ms vs bound {bound * 1000:.0f} ms"
-    assert ring <= 1.35 * bound, f"ring {ring * 1000:.0f} ms vs bound {bound * 1000:.0f} ms"
-    assert naive >= 2 * ring, f"naive {naive * 1000:.0f} ms vs ring {ring * 1000:.0f} ms"
+    # Naive: the root sends the sum to N-1 hosts and receives N-1 tensors; the others one each way.
+    root_sent, root_received = rows["naive"]["sent_per_host"][0], rows["naive"]["received_per_host"][0]
+    assert (n - 1) * size <= root_sent <= 1.05 * (n - 1) * size
+    assert (n - 1) * size <= root_received <= 1.05 * (n - 1) * size
+    for sent in rows["naive"]["sent_per_host"][1:]:
+        assert size <= sent <= 1.05 * size
 
 
 def test_no_half_made_cluster_after_a_failure():

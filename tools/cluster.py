@@ -69,8 +69,43 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
 
 
+LOCK = Path("/run/lock/ringside-cluster.lock") if Path("/run/lock").is_dir() else Path("/tmp/ringside-cluster.lock")
+_held: list = []  # the open lock file while this process owns the cluster
+
+
+def _take_the_cluster(wait_s: float = 900) -> None:
+    """One cluster per machine: wait (up to wait_s) until no other process holds it. Two jobs
+    building their own clusters at once would tear down each other's hosts. The lock is the
+    kernel's (flock), so a process that dies releases it."""
+    import fcntl
+
+    if _held:
+        return
+    handle = open(LOCK, "w")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _held.append(handle)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                handle.close()
+                raise ClusterError(f"another job has held the cluster for {wait_s:g} s ({LOCK})")
+            time.sleep(0.5)
+
+
 def down() -> None:
-    """Kill every process inside our namespaces and delete them (veths and bridge go with them)."""
+    """Kill every process inside our namespaces and delete them (veths and bridge go with them),
+    then let another job have the cluster."""
+    try:
+        _remove_hosts()
+    finally:
+        while _held:
+            _held.pop().close()  # closing the file releases the lock
+
+
+def _remove_hosts() -> None:
     for ns in namespaces():
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
         for pid in pids:
@@ -90,7 +125,8 @@ def up(hosts: int, rate: str = "1gbit") -> list[str]:
         raise ClusterError(reason)
     if not 2 <= hosts <= 16:
         raise ClusterError(f"--hosts must be 2..16, not {hosts}")
-    down()  # a fresh start: leftovers of an interrupted run would collide
+    _take_the_cluster()
+    _remove_hosts()  # a fresh start: leftovers of an interrupted run would collide
     try:
         _run("ip", "netns", "add", SWITCH)
         _run("ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge")
