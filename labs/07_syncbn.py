@@ -65,7 +65,7 @@ class HandSyncBatchNorm2d(nn.BatchNorm2d):
                                            self.eps, self.momentum)
 
 
-# ---- the self-check: compare with nn.BatchNorm2d on the whole global batch, in one process ----
+# --- The self-check: compare with nn.BatchNorm2d on the whole global batch, in one process --------
 
 # EPS far above BatchNorm's default 1e-5, so that a misplaced or missing eps shows
 CHANNELS, SIZE, SEED, MOMENTUM, EPS = 3, 4, 7, 0.3, 0.1

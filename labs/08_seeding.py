@@ -117,7 +117,7 @@ def one_run(rank: int, world_size: int, device: torch.device) -> dict:
             "workers": torch.cat(workers), "worker_seeds": torch.cat(worker_seeds), "indices": torch.cat(indices)}
 
 
-# ---- the checks ----
+# --- The checks -----------------------------------------------------------------------------------
 
 def check_seed_everything(checks: Checks, rank: int, device: torch.device) -> None:
     """Each global generator must continue exactly as a fresh one seeded with SEED + rank."""

@@ -37,7 +37,7 @@ def eval_loader(dataset: TensorDataset) -> DataLoader:
     return DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=False))
 
 
-# --- Your part -------------------------------------------------------------------------------
+# --- Your part ------------------------------------------------------------------------------------
 
 
 def local_sums(model: nn.Module, loader: DataLoader, n_samples: int, device: torch.device) -> torch.Tensor:
@@ -59,7 +59,7 @@ def exact_metrics(sums: torch.Tensor) -> tuple[float, float]:
     raise NotImplementedError("the TODO above")
 
 
-# --- The check: the same evaluation in one process -------------------------------------------
+# --- The check: the same evaluation in one process ------------------------------------------------
 
 
 def trained_model() -> nn.Module:

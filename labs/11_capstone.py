@@ -101,7 +101,7 @@ def join_group() -> Rank:
     return Rank(rank, world_size, local_rank, dist.get_backend(), device)
 
 
-# --- Data: real digits, one shard per rank, augmentation seeded per rank and step -----------
+# --- Data: real digits, one shard per rank, augmentation seeded per rank and step -----------------
 
 
 def load_data(args: argparse.Namespace) -> tuple[TensorDataset, TensorDataset]:
@@ -144,7 +144,7 @@ def augment(images: torch.Tensor, seed: int, device: torch.device = torch.device
     raise NotImplementedError("the TODO above")
 
 
-# --- Model: a small CNN with synchronized BatchNorm, wrapped in DDP -------------------------
+# --- Model: a small CNN with synchronized BatchNorm, wrapped in DDP -------------------------------
 
 
 def make_net(channels: int, classes: int = 10) -> nn.Module:
@@ -201,7 +201,7 @@ def train_step(model: DDP, images: torch.Tensor, labels: torch.Tensor, optimizer
     return loss.detach()
 
 
-# --- Checkpoints: everything a resumed run needs, written atomically -------------------------
+# --- Checkpoints: everything a resumed run needs, written atomically ------------------------------
 
 
 @dataclass
@@ -242,7 +242,7 @@ def restore(state: dict, model: DDP, optimizer, scheduler, scaler) -> Progress:
     raise NotImplementedError("the TODO above")
 
 
-# --- Evaluation: every test image exactly once, over all ranks --------------------------------
+# --- Evaluation: every test image exactly once, over all ranks ------------------------------------
 
 
 @torch.no_grad()
@@ -261,7 +261,7 @@ def evaluate(net: nn.Module, test_set: TensorDataset, me: Rank, batch_size: int 
     return {"loss": loss_sum / count, "accuracy": correct / count, "correct": int(correct), "count": int(count)}
 
 
-# --- The training script ------------------------------------------------------------------------
+# --- The training script --------------------------------------------------------------------------
 
 
 class SimulatedCrash(Exception):
@@ -390,7 +390,7 @@ def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) 
     return Result(model, loader, progress, resumed_from, steps_run, test)
 
 
-# --- The checks ---------------------------------------------------------------------------------
+# --- The checks -----------------------------------------------------------------------------------
 
 
 def check_sharding(checks: Checks, result: Result, train_size: int, args: argparse.Namespace, me: Rank) -> None:

@@ -8,6 +8,7 @@ Each module says in its docstring which chapter explains what it does.
               `fork_processes`, `torchrun_script`, `fork_script`, `torchrun_command`.   chapter 00
 - lab:        the labs' self-check (`run_lab`, `Checks`).                       every lab
 - compare:    tensors compared with a stated tolerance, and a one-line reason when they differ.
+- calls:      a rank's point-to-point calls recorded, for the checks of labs 02 and 03.
 - data:       data sets that need no download (scikit-learn's digits, a seeded regression).
 - ring:       the ring all-reduce's schedule, pictures, cost model and measured results. chapter 04
 - rendezvous: fresh rendezvous files, a simulated two-node job, listening sockets.  chapter 05

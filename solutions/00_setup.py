@@ -37,7 +37,7 @@ def sum_over_ranks(value: int, device: torch.device) -> int:
     # END SOLUTION
 
 
-# -- the checks --------------------------------------------------------------------------------
+# --- The checks -----------------------------------------------------------------------------------
 
 def check_introduction(checks: Checks, line: str) -> None:
     """This rank's line must name its own rank, the world size and its local rank."""

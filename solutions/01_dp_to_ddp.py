@@ -39,7 +39,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-# --- Your part: the five steps from one process to DDP --------------------------------------
+# --- Your part: the five steps from one process to DDP --------------------------------------------
 
 
 def setup() -> torch.device:
@@ -97,7 +97,7 @@ def train(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
         # END SOLUTION
 
 
-# --- The check: the same training in one process, on the same global batches ----------------
+# --- The check: the same training in one process, on the same global batches ----------------------
 
 
 class RecordingDataset(Dataset):

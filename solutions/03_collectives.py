@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.calls import Recorder
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:
@@ -70,7 +71,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
     # END SOLUTION
 
 
-# -- the checks: the same inputs through your function and through torch.distributed's own --
+# --- The checks: the same inputs through your function and through torch.distributed's own --------
 
 SHAPES = [(5,), (3, 7), (2, 3, 5)]  # odd sizes: nothing divides evenly
 DTYPES = [torch.float32, torch.int64, torch.float64]
@@ -78,80 +79,6 @@ SENTINEL = -1  # fills every output before the call: a slot still holding it was
 COLLECTIVES = ("broadcast", "scatter", "gather", "all_gather", "all_gather_into_tensor", "reduce",
                "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
                "all_to_all_single", "broadcast_object_list", "all_gather_object", "gather_object")
-
-
-class Recorder:
-    """While active, every point-to-point call is noted (kind, peer, tag, buffer, whether it was
-    posted inside dist.batch_isend_irecv, whether it was waited for) and the collectives raise.
-    The learner's calls still go through to torch.distributed unchanged."""
-
-    P2P = ("send", "recv", "isend", "irecv")
-
-    def __init__(self, refuse: tuple[str, ...] = ()):
-        self.ops: list[dict] = []
-        self.in_batch = False
-        self.refuse = refuse
-
-    def _wrap(self, kind: str, original):
-        def call(tensor, *args, **kwargs):
-            names = ("dst", "group_dst") if "send" in kind else ("src", "group_src")
-            peer = args[0] if args else kwargs.get(names[0], kwargs.get(names[1]))
-            tag = kwargs.get("tag", args[2] if len(args) > 2 else 0)
-            op = {"kind": kind, "peer": peer, "tag": tag, "ptr": tensor.data_ptr(), "tensor": tensor,
-                  "batch": self.in_batch, "waited": kind in ("send", "recv"), "index": len(self.ops),
-                  "pending": [o["index"] for o in self.ops if not o["waited"]]}
-            self.ops.append(op)
-            result = original(tensor, *args, **kwargs)
-            return Recorded(result, [op]) if kind in ("isend", "irecv") and result is not None else result
-        return call
-
-    def _batch(self, original):
-        def call(ops):
-            self.in_batch, first = True, len(self.ops)
-            try:
-                works = original(ops)
-            finally:
-                self.in_batch = False
-            return [Recorded(work, self.ops[first:]) for work in works]
-        return call
-
-    def __enter__(self):
-        # torch.distributed and the module it comes from (P2POp compares its op with the latter's isend)
-        from torch.distributed import distributed_c10d as c10d
-        self.saved = [(module, name, getattr(module, name)) for module in (dist, c10d)
-                      for name in (*self.P2P, "batch_isend_irecv", *(self.refuse if module is dist else ()))]
-        # one stand-in per function, the same object in both modules (P2POp checks `op is isend`)
-        stand_ins = {name: self._wrap(name, getattr(dist, name)) for name in self.P2P}
-        stand_ins["batch_isend_irecv"] = self._batch(dist.batch_isend_irecv)
-        for module, name, original in self.saved:
-            setattr(module, name, stand_ins.get(name) or refused(name))
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, original in self.saved:
-            setattr(module, name, original)
-
-
-class Recorded:
-    """A request whose wait() is noted; everything else is the real request's."""
-
-    def __init__(self, work, ops: list[dict]):
-        self.work, self.ops = work, ops
-
-    def wait(self, *args, **kwargs):
-        for op in self.ops:
-            op["waited"] = True
-        return self.work.wait(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
-def refused(name: str):
-    def collective(*args, **kwargs):
-        raise RuntimeError(f"dist.{name} was called: this lab builds everything from point-to-point "
-                           f"calls (send/recv, isend/irecv, batch_isend_irecv) only")
-    return collective
 
 
 def rank_tensor(rank: int, shape: tuple, dtype: torch.dtype, case: int, device: torch.device) -> torch.Tensor:

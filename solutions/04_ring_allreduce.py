@@ -22,7 +22,7 @@ from ringside import Checks, Rank, print0, run_lab
 from ringside.compare import equal_on_all_ranks, flat_grads, flat_params, max_diff
 from ringside.data import regression
 
-# --- Your part 1: the ring ------------------------------------------------------------------
+# --- Your part 1: the ring ------------------------------------------------------------------------
 
 
 def ring_chunks(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
@@ -82,7 +82,7 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# --- Your part 2: a home-made DDP -----------------------------------------------------------
+# --- Your part 2: a home-made DDP -----------------------------------------------------------------
 
 
 def average_gradients(model: nn.Module) -> None:
@@ -103,7 +103,7 @@ def average_gradients(model: nn.Module) -> None:
     # END SOLUTION
 
 
-# --- The training that uses it (given) --------------------------------------------------------
+# --- The training that uses it (given) ------------------------------------------------------------
 
 SEED = 0
 BATCH_PER_RANK = 16
@@ -141,7 +141,7 @@ def train(model: nn.Module, data: TensorDataset, device: torch.device, by_hand: 
     return history
 
 
-# --- The check ------------------------------------------------------------------------------
+# --- The check ------------------------------------------------------------------------------------
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 

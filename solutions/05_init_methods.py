@@ -113,7 +113,7 @@ def init_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -> 
     return settings
 
 
-# ---------------------------------------------------------------------------- the checks
+# --- The checks -----------------------------------------------------------------------------------
 
 # Bad settings: (what is wrong, argv, environment, a phrase the message must contain)
 RANKS = ["--rank", "0", "--world-size", "2"]

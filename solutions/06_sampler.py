@@ -106,7 +106,7 @@ def train(dataset: TensorDataset, device: torch.device, epochs: int = 3, batch_s
     return seen
 
 
-# ---------------------------------------------------------------------------- the checks
+# --- The checks -----------------------------------------------------------------------------------
 
 GRID = dict(n=(1, 3, 8, 10, 13, 17), world_size=(1, 2, 3, 4, 5), shuffle=(False, True),
             drop_last=(False, True), seed=(0, 7), epoch=(0, 1, 2))

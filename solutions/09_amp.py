@@ -102,7 +102,7 @@ class LossScaler:
         # END SOLUTION
 
 
-# --- The check, part 1: one gradient sequence through both scalers ---------------------------
+# --- The check, part 1: one gradient sequence through both scalers --------------------------------
 
 STEPS = 24
 INIT_SCALE, GROWTH_INTERVAL = 2.0**12, 3
@@ -257,7 +257,7 @@ def check_replay(checks: Checks) -> None:
         print(f"replay: skipped steps {[t for t, s in enumerate(ref[1]) if s]} - the same in both scalers")
 
 
-# --- The check, part 2: DDP + autocast with each scaler, a poisoned batch on one rank --------
+# --- The check, part 2: DDP + autocast with each scaler, a poisoned batch on one rank -------------
 
 TRAIN_STEPS, POISONED_STEP, BATCH = 8, 3, 16
 
