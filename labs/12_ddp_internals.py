@@ -334,7 +334,8 @@ def check_gradients(checks: Checks, names: list[str], mine: list, reference: lis
                         f"never copied back into .grad (or this parameter is never reduced)")
         else:
             checks.fail(f"rank {rank}: {name}.grad differs from DDP's by {max_diff(g, ref):.2e} before the first "
-                        f"step (tolerance rtol 1e-4) - check the flatten/copy-back offsets")
+                        f"step (tolerance rtol 1e-4) - check the flatten/copy-back offsets, and that no "
+                        f"bucket buffer is changed (divided) before its work.wait() returns")
         return False
     return checks.expect(True, "")
 

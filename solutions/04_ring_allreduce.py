@@ -397,10 +397,11 @@ def check_training(checks: Checks, device: torch.device) -> None:
                 hint = ("the gradients are unchanged by average_gradients: the averages never reached p.grad - "
                         "torch.cat makes a copy, so copy each slice back into its grad in place (g.copy_(...); "
                         "rebinding a name changes nothing)")
-            elif abs(ratio - world_size) < 0.05 * world_size:
+            # a ratio names a cause only where every element is off by that same factor
+            elif torch.allclose(my_grads, ddp_grads * world_size, rtol=1e-4, atol=1e-6):
                 hint = (f"they are {ratio:.2f}x DDP's - did you divide by world_size? DDP averages, "
                         f"ring_all_reduce only sums")
-            elif world_size > 1 and abs(ratio * world_size - 1) < 0.05:
+            elif world_size > 1 and torch.allclose(my_grads * world_size, ddp_grads, rtol=1e-4, atol=1e-6):
                 hint = f"they are {ratio:.2f}x DDP's - did you divide by world_size twice?"
             else:
                 hint = ("check how the flat buffer is copied back into each parameter's grad: does the offset "

@@ -65,4 +65,7 @@ MUTATIONS = [
              "    chunks = ring_chunks(tensor.view(-1), world_size)\n",
              "    dist.all_reduce(tensor)\n    return tensor\n",
              "build it from isend/irecv only", 2),
+    Mutation("offset never advanced in the copy-back",
+             "        offset += g.numel()\n    # END SOLUTION", "    # END SOLUTION",
+             "does the offset advance by each grad's numel()?", 3),
 ]

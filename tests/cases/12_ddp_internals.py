@@ -70,4 +70,8 @@ MUTATIONS = [
              "    optimizer.step()\n    optimizer.zero_grad()\n",
              "    optimizer.step()\n",
              "are the gradients zeroed", 3),
+    Mutation("buffer divided before its all-reduce finished",
+             "            work.wait()\n            flat /= world_size\n",
+             "            flat /= world_size\n            work.wait()\n",
+             "before its work.wait() returns", 3),
 ]
