@@ -2,6 +2,16 @@
 
 from mutation import Mutation
 
+SHUFFLE = ("    if shuffle:\n        generator = torch.Generator()\n        generator.manual_seed(seed + epoch)\n"
+           "        order = torch.randperm(n, generator=generator).tolist()\n    else:\n        order = list(range(n))\n")
+SHARE = ("    if drop_last:\n        per_rank = n // num_replicas\n        order = order[:per_rank * num_replicas]\n"
+         "    else:\n        per_rank = math.ceil(n / num_replicas)\n"
+         "        order = (order * math.ceil(per_rank * num_replicas / max(n, 1)))[:per_rank * num_replicas]\n")
+# the learner's version: pad (or cut) 0..n-1 first, then shuffle the padded list
+SHUFFLED_LAST = ("    order = list(range(n))\n" + SHARE + "    if shuffle:\n        generator = torch.Generator()\n"
+                 "        generator.manual_seed(seed + epoch)\n"
+                 "        order = [order[i] for i in torch.randperm(len(order), generator=generator).tolist()]\n")
+
 LOOP = ("        sampler.set_epoch(epoch)\n        # END SOLUTION\n        order = []\n"
         "        for x, y, index in loader:\n            loss = F.cross_entropy(model(x.to(device)), y.to(device))\n"
         "            optimizer.zero_grad()\n            loss.backward()\n            optimizer.step()\n"
@@ -35,7 +45,8 @@ MUTATIONS = [
              "order = order[n - per_rank * num_replicas:]", "cut at its start", 2),
     Mutation("contiguous blocks", "return order[rank::num_replicas]",
              "return order[rank * per_rank:(rank + 1) * per_rank]", "this rank took a contiguous block", 2),
-    Mutation("forgot set_epoch", "missing line here\n        sampler.set_epoch(epoch)\n", "missing line here\n",
+    Mutation("forgot set_epoch", "read what the check found\n        sampler.set_epoch(epoch)\n",
+             "read what the check found\n",
              "the loop never calls sampler.set_epoch(epoch)", 2),
     Mutation("set_epoch after the epoch", LOOP,
              LOOP.replace("        sampler.set_epoch(epoch)\n", "") + "        sampler.set_epoch(epoch)\n",
@@ -47,4 +58,16 @@ MUTATIONS = [
              "each rank shuffled with its own seed (seed + rank)", 3),
     Mutation("DistributedSampler without shuffle", "DistributedSampler(dataset, shuffle=True, seed=seed)",
              "DistributedSampler(dataset, shuffle=False, seed=seed)", "the sampler does not shuffle", 2),
+    Mutation("shuffled after padding", SHUFFLE + SHARE, SHUFFLED_LAST,
+             "the list was shuffled after it was padded (or cut)", 4),
+    Mutation("each rank shuffles its own share", SHUFFLE + SHARE + "    return order[rank::num_replicas]\n",
+             "    order = list(range(n))\n" + SHARE + "    mine = order[rank::num_replicas]\n    if shuffle:\n"
+             "        generator = torch.Generator().manual_seed(seed + epoch)\n"
+             "        mine = [mine[i] for i in torch.randperm(len(mine), generator=generator).tolist()]\n"
+             "    return mine\n",
+             "each rank shuffled its own share", 3),
+    Mutation("padding from the unshuffled start",
+             "order = (order * math.ceil(per_rank * num_replicas / max(n, 1)))[:per_rank * num_replicas]",
+             "order = (order + list(range(n)) * math.ceil(per_rank * num_replicas / max(n, 1)))[:per_rank * num_replicas]",
+             "the padding repeats 0, 1, 2, ... (the start of the unshuffled list)", 2),
 ]
