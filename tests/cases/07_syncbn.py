@@ -3,6 +3,8 @@
 from mutation import Mutation
 
 GRAD_X = ("per_channel(sum_dy / count, grad_out) - x_hat * per_channel(sum_dy_xhat / count, grad_out)")
+SAVE = ("        ctx.save_for_backward(x_hat, weight, invstd, count)\n"
+        "        return x_hat * per_channel(weight, x) + per_channel(bias, x)\n")
 
 MUTATIONS = [
     Mutation("biased running variance", "momentum * var * count / (count - 1))", "momentum * var)",
@@ -47,4 +49,18 @@ MUTATIONS = [
     Mutation("weight and bias gradients swapped", "grad_weight, grad_bias = local_sums[1].clone(), local_sums[0].clone()\n",
              "grad_weight, grad_bias = local_sums[0].clone(), local_sums[1].clone()\n",
              "grad_weight and grad_bias are swapped", 2),
+    Mutation("count is the batch size, not the values per channel",
+             "torch.full_like(local_sum, x.numel() // x.shape[1])", "torch.full_like(local_sum, x.shape[0])", "the number of images on all ranks", 4),
+    Mutation("unbiased correction with this rank's count", "momentum * var * count / (count - 1))",
+             "momentum * var * (x.numel() // x.shape[1]) / (x.numel() // x.shape[1] - 1))",
+             "must use the global count", 3),
+    Mutation("the output saved for backward instead of x_hat", SAVE,
+             "        out = x_hat * per_channel(weight, x) + per_channel(bias, x)\n"
+             "        ctx.save_for_backward(out, weight, invstd, count)\n        return out\n",
+             "backward used the output y = x_hat * weight + bias where x_hat belongs", 4),
+    Mutation("async all_reduce in backward never waited on", "dist.all_reduce(local_sums, op=dist.ReduceOp.SUM)",
+             "dist.all_reduce(local_sums, op=dist.ReduceOp.SUM, async_op=True)",
+             "async_op=True in backward is never waited on", 4),
+    Mutation("statistics all-reduced with AVG", "dist.all_reduce(local, op=dist.ReduceOp.SUM)",
+             "dist.all_reduce(local, op=dist.ReduceOp.AVG)", "was it all_reduced with ReduceOp.AVG?", 3),
 ]
