@@ -1,16 +1,25 @@
 """Chapter 09: the mistakes a hand-written loss scaler's check must name."""
 
+from pathlib import Path
+
 from mutation import Mutation
 
 UPDATE = ("self.scale_value *= self.backoff_factor\n            self.clean_steps = 0\n        else:\n"
           "            self.clean_steps += 1\n            if self.clean_steps == self.growth_interval:\n"
           "                self.scale_value *= self.growth_factor\n")
-LOSS_TO_UNSCALE_END = '        return loss * self.scale_value\n        # END SOLUTION\n\n    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:\n        """Divide, in place, every gradient of the optimizer\'s parameters by the scale; set\n        self.found_inf to whether any gradient holds an inf or a NaN; set self.unscaled."""\n        # HINT 1: the gradients live in p.grad for every p of every group in optimizer.param_groups (skip p.grad None); change them in place, since a divided copy in a local variable is lost\n        # HINT 2: p.grad.div_(self.scale_value); an inf or a NaN anywhere: not torch.isfinite(p.grad).all() (torch.isinf misses NaN; a finite loss can still have gradients that overflowed)\n        # BEGIN SOLUTION: divide, in place, every gradient the optimizer will use by the current scale; set self.found_inf to whether any of them holds an inf or a NaN, and self.unscaled\n        found_inf = False\n        for group in optimizer.param_groups:\n            for p in group["params"]:\n                if p.grad is None:\n                    continue\n                p.grad.div_(self.scale_value)\n                found_inf = found_inf or not bool(torch.isfinite(p.grad).all())\n        self.found_inf = found_inf\n'
-LOSS_TESTED = '        self.loss_not_finite = not bool(torch.isfinite(loss * self.scale_value).all())\n        return loss * self.scale_value\n        # END SOLUTION\n\n    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:\n        """Divide, in place, every gradient of the optimizer\'s parameters by the scale; set\n        self.found_inf to whether any gradient holds an inf or a NaN; set self.unscaled."""\n        # HINT 1: the gradients live in p.grad for every p of every group in optimizer.param_groups (skip p.grad None); change them in place, since a divided copy in a local variable is lost\n        # HINT 2: p.grad.div_(self.scale_value); an inf or a NaN anywhere: not torch.isfinite(p.grad).all() (torch.isinf misses NaN; a finite loss can still have gradients that overflowed)\n        # BEGIN SOLUTION: divide, in place, every gradient the optimizer will use by the current scale; set self.found_inf to whether any of them holds an inf or a NaN, and self.unscaled\n        found_inf = False\n        for group in optimizer.param_groups:\n            for p in group["params"]:\n                if p.grad is None:\n                    continue\n                p.grad.div_(self.scale_value)\n        self.found_inf = self.loss_not_finite  # the loss, not the gradients\n'
+# The loss tested in scale() instead of the gradients in unscale_: one replacement spanning both methods
+SOLUTION = (Path(__file__).parents[2] / "solutions" / "09_amp.py").read_text()
+FIRST, LAST = "        return loss * self.scale_value\n", "        self.found_inf = found_inf\n"
+LOSS_TO_UNSCALE_END = SOLUTION[SOLUTION.index(FIRST):SOLUTION.index(LAST) + len(LAST)]
+LOSS_TESTED = (LOSS_TO_UNSCALE_END
+               .replace(FIRST, "        self.loss_not_finite = not bool(torch.isfinite(loss * self.scale_value).all())\n"
+                               + FIRST)
+               .replace("                found_inf = found_inf or not bool(torch.isfinite(p.grad).all())\n", "")
+               .replace(LAST, "        self.found_inf = self.loss_not_finite  # the loss, not the gradients\n"))
 
 MUTATIONS = [
     Mutation("loss not scaled", "        return loss * self.scale_value\n", "        return loss\n",
-             "return loss * self.scale_value"),
+             "the loss multiplied by the current scale"),
     Mutation("gradients never unscaled", "                p.grad.div_(self.scale_value)\n", "",
              "unscale_ must divide every p.grad by the scale"),
     Mutation("unscaled copy not written back", "                p.grad.div_(self.scale_value)\n",
@@ -21,7 +30,7 @@ MUTATIONS = [
     Mutation("isinf misses NaN", "not bool(torch.isfinite(p.grad).all())", "bool(torch.isinf(p.grad).any())",
              "a NaN is not an inf"),
     Mutation("found_inf overwritten by the next parameter", "found_inf = found_inf or not bool(torch.isfinite(",
-             "found_inf = not bool(torch.isfinite(", "the test of the next, finite one overwrote found_inf"),
+             "found_inf = not bool(torch.isfinite(", "the test of the next, finite parameter overwrote found_inf"),
     Mutation("the loss tested instead of the gradients", LOSS_TO_UNSCALE_END, LOSS_TESTED, "not the loss"),
     Mutation("step taken on inf", "        if not self.found_inf:\n            optimizer.step()",
              "        optimizer.step()", "must not call optimizer.step() when unscale_ found an inf"),
@@ -44,4 +53,17 @@ MUTATIONS = [
              "        self.unscale_(optimizer)\n", "divided by the scale twice"),
     Mutation("unscaled flag never reset", "        self.unscaled = False\n        # END SOLUTION\n",
              "        # END SOLUTION\n", "does update() reset self.unscaled?"),
+    # Found by a learner trial, or tried after it: each was passed, or named for another cause, before
+    Mutation("isnan misses inf", "not bool(torch.isfinite(p.grad).all())", "bool(torch.isnan(p.grad).any())",
+             "unscale_ does not detect inf"),
+    Mutation("only the first param group", "for group in optimizer.param_groups:",
+             "for group in optimizer.param_groups[:1]:", "loop over every group in optimizer.param_groups"),
+    Mutation("a parameter without a gradient not skipped",
+             "                if p.grad is None:\n                    continue\n", "", "p.grad is None"),
+    Mutation("the finding kept in a local variable", "        self.found_inf = found_inf\n", "",
+             "not in a local variable"),
+    Mutation("backoff by division", "self.scale_value *= self.backoff_factor",
+             "self.scale_value /= self.backoff_factor", "do not divide by it"),
+    Mutation("step() clears the finding before update()", "            optimizer.step()\n",
+             "            optimizer.step()\n        self.found_inf = False\n", "before update() read it"),
 ]
