@@ -74,5 +74,29 @@ MUTATIONS = [
     Mutation("halo received into a new tensor", HALO,
              "    left_halo = torch.empty_like(left_halo)\n" + HALO,
              "did not receive into left_halo and right_halo themselves", 2),
+    # Learner trial: each of these got only "timed out ... likely a deadlock", a store error, or a
+    # diagnosis that blamed the wrong calls; float32 passed at 4 ranks.
+    Mutation("right neighbour without % world_size",
+             "left, right = (rank - 1) % world_size, (rank + 1) % world_size\n    token",
+             "left, right = (rank - 1) % world_size, rank + 1\n    token",
+             "rank 3 sends the token to rank 4, which does not exist", 4),
+    Mutation("last rank never sends the token back",
+             "        token = token * 10 + rank + 1\n        dist.send(token, dst=right)\n",
+             "        token = token * 10 + rank + 1\n        if rank < world_size - 1:\n"
+             "            dist.send(token, dst=right)\n",
+             "the last rank (rank 3) must send the token on to rank 0", 4),
+    Mutation("float32 token", "    token = torch.ones(1, dtype=torch.int64, device=device)\n",
+             "    token = torch.ones(1, device=device)\n",
+             "float32 holds whole numbers exactly only up to 16777216", 4),
+    Mutation("every rank sends first",
+             "        dist.recv(token, src=left)\n        token = token * 10 + rank + 1\n        dist.send(token, dst=right)\n",
+             "        dist.send(token, dst=right)\n        dist.recv(token, src=left)\n        token = token * 10 + rank + 1\n",
+             "all wait in send", 3),
+    Mutation("halo receives crossed (sends right)", HALO, halo(SEND_RIGHT, RECV_LEFT.replace("left)", "right)"), SEND_LEFT,
+                                                               RECV_RIGHT.replace("right)", "left)")),
+             "the receives are crossed", 4),
+    Mutation("one halo received from the wrong neighbour", HALO,
+             halo(SEND_RIGHT, RECV_LEFT, SEND_LEFT, RECV_RIGHT.replace("right)", "left)")),
+             "the exchange would wait for ever", 3),
 ]
-NPROCS = (2, 4)
+NPROCS = (2, 3, 4)
