@@ -10,6 +10,7 @@ Run it with 4 processes:
 """
 # SOLUTION FILE
 
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -19,8 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.calls import Recorder
 from ringside.compare import equal_on_all_ranks, flat_grads, flat_params, max_diff
 from ringside.data import regression
+from ringside.lab import explain
 
 # --- Your part 1: the ring ------------------------------------------------------------------------
 
@@ -40,13 +43,13 @@ def ring_chunks(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 
 
 def send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
-    """Send `outgoing` to rank + 1 and, at the same time, receive `incoming` from rank - 1
-    (both wrap around); return when both are done. Every rank calls this at once, so none may
-    wait before it has posted both. It must work on gloo and on NCCL (which wants a send and a
-    receive that run at the same time posted together, as one group)."""
+    """Send `outgoing` to rank + 1 and receive `incoming` from rank - 1 (both wrap around: the
+    last rank's right neighbour is rank 0). Every rank calls this at the same moment, and both
+    messages must be under way at once. Return only when `incoming` holds what the left neighbour
+    sent and `outgoing` may be changed again. Must work on gloo and on NCCL."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    # HINT 1: a blocking send or recv on every rank at once deadlocks: post both operations before waiting on either; dist.batch_isend_irecv posts a list of dist.P2POp as one group
+    # HINT 1: a blocking send or recv on every rank at once deadlocks: post both operations before waiting on either. NCCL wants a send and a receive that run at the same time posted together, as one group: dist.batch_isend_irecv posts a list of dist.P2POp that way
     # HINT 2: ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]; then wait on every request that dist.batch_isend_irecv(ops) returns
     # BEGIN SOLUTION: send `outgoing` to the right neighbour and receive `incoming` from the left one, both in flight at once, and return when both are complete
     ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]
@@ -61,10 +64,11 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     Only point-to-point messages: no dist.all_reduce (or any other collective) inside."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     chunks = ring_chunks(tensor.view(-1), world_size)
-    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once
     # HINT 1: N-1 steps; at each step every rank sends one chunk right and adds the chunk arriving from the left into its own copy of that chunk. Rank r starts by sending its own chunk r; the chunk it receives is the one its left neighbour sent
-    # HINT 2: at step s rank r sends chunk (r - s) % N and receives chunk (r - s - 1) % N into landing[:numel] (never into the chunk itself: that would overwrite your part before adding it), then adds it in place
-    # BEGIN SOLUTION: scatter-reduce: after N-1 steps of sending right and receiving from the left, rank r holds the sum over all ranks of chunk (r + 1) % N
+    # HINT 2: what arrives must not land in the chunk itself (that would overwrite your part before adding it): receive into a separate buffer, allocated once as large as the largest chunk (torch.empty_like(chunks[0])), and use its first numel elements for a chunk of numel; then add in place
+    # HINT 3: at step s rank r sends chunk (r - s) % N and receives chunk (r - s - 1) % N into landing[:chunks[(r - s - 1) % N].numel()], then chunks[(r - s - 1) % N] += that
+    # BEGIN SOLUTION: scatter-reduce: after N-1 steps of sending right and receiving from the left, rank r holds the sum over all ranks of chunk (r + 1) % N (the chunks may differ in size by one)
+    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
         arrived = landing[:chunks[receive].numel()]
@@ -179,6 +183,142 @@ def check_chunks(checks: Checks, device: torch.device) -> bool:
     return True
 
 
+VIRTUAL = 3  # the dry run plays a 3-rank ring: at 2 ranks left and right are the same rank
+ARRIVES = 7.0  # what the dry run's receives deliver
+COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+               "all_gather_into_tensor", "broadcast", "barrier")
+
+
+class Posted:
+    """A request of the dry run: nothing travels; wait() delivers ARRIVES into a receive's buffer."""
+
+    def __init__(self, into: torch.Tensor | None = None):
+        self.into = into
+
+    def wait(self, *args, **kwargs) -> bool:
+        if self.into is not None:
+            self.into.fill_(ARRIVES)
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextmanager
+def dry_run(rank: int, world_size: int, sent: list[torch.Tensor]):
+    """Inside, this process plays `rank` of `world_size`, and no message travels: isend/irecv
+    return Posted requests at once, a blocking recv delivers ARRIVES, what is sent is noted in `sent`."""
+    from torch.distributed import distributed_c10d as c10d
+
+    def isend(tensor, *args, **kwargs):
+        sent.append(tensor.detach().clone())
+        return Posted()
+
+    def send(tensor, *args, **kwargs):
+        isend(tensor)
+
+    def recv(tensor, *args, **kwargs):
+        tensor.fill_(ARRIVES)
+
+    def batch(ops):
+        return [op.op(op.tensor, op.peer) for op in ops]
+
+    fakes = {"isend": isend, "irecv": lambda tensor, *a, **k: Posted(tensor), "send": send, "recv": recv,
+             "batch_isend_irecv": batch}
+    saved = [(module, name, getattr(module, name)) for module in (dist, c10d) for name in fakes]
+    saved += [(dist, "get_rank", dist.get_rank), (dist, "get_world_size", dist.get_world_size)]
+    for module, name, _ in saved[:-2]:
+        setattr(module, name, fakes[name])
+    dist.get_rank, dist.get_world_size = (lambda group=None: rank), (lambda group=None: world_size)
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def exchange_mistakes(device: torch.device) -> str:
+    """send_right_receive_left played as each rank of a 3-rank ring, with nothing sent (so that a
+    mistake cannot hang): whom it talks to, with which buffers, and whether it waits. "" if fine."""
+    for rank in range(VIRTUAL):
+        right, left = (rank + 1) % VIRTUAL, (rank - 1) % VIRTUAL
+        outgoing, incoming = torch.full((4,), 5.0, device=device), torch.zeros(4, device=device)
+        sent: list[torch.Tensor] = []
+        who = (f"send_right_receive_left, played as rank {rank} of {VIRTUAL} (a dry run: its calls noted, "
+               f"nothing sent),")
+        with dry_run(rank, VIRTUAL, sent), Recorder(refuse=COLLECTIVES) as calls:
+            try:
+                send_right_receive_left(outgoing, incoming)
+            except NotImplementedError:
+                raise
+            except Exception as error:  # shown by the real exchange that follows, where it is no dry run
+                return f"{who} failed: {error}" if "was called: this lab builds" in str(error) else ""
+        sends = [op for op in calls.ops if "send" in op["kind"]]
+        recvs = [op for op in calls.ops if "recv" in op["kind"]]
+        blocking = [op["kind"] for op in calls.ops[:1] if op["kind"] in ("send", "recv")]
+        if blocking:  # a blocking call after an isend/irecv is no deadlock; `loose` below names it
+            return (f"{who} called the blocking dist.{blocking[0]} first: every rank calls it at the same moment, "
+                    f"so each waits there for a neighbour that is itself waiting - likely a deadlock"
+                    + (" (gloo lets a small send through, NCCL and large messages do not)"
+                       if blocking[0] == "send" else "")
+                    + ". Both messages must be under way at once: post the send and the receive together "
+                      "(isend and irecv), then wait on both")
+        if len(sends) != 1 or len(recvs) != 1:
+            return (f"{who} posted {len(sends)} send(s) and {len(recvs)} receive(s): it needs exactly one of "
+                    f"each - `outgoing` to rank + 1, `incoming` from rank - 1")
+        to, source = sends[0]["peer"], recvs[0]["peer"]
+        if (to, source) == (left, right):
+            return (f"{who} sent to rank {to} and received from rank {source}: it sends to the left and "
+                    f"receives from the right - the ring goes the other way (at 2 ranks left and right are "
+                    f"the same rank, so only 3 or more ranks show it)")
+        if (to, source) != (right, left):
+            return (f"{who} sent to rank {to} and received from rank {source}: it must send to rank + 1 = "
+                    f"{right} and receive from rank - 1 = {left}, wrapping around (% world_size)")
+        unwaited = [op["kind"] for op in calls.ops if not op["waited"]]
+        if unwaited:
+            return (f"{who} returned without waiting on its {' and '.join(unwaited)}: "
+                    + ("`incoming` may not hold the neighbour's values yet when the ring reads it (and a "
+                       "request left in flight can stall the next call) - " if "irecv" in unwaited else
+                       "`outgoing` may still be in flight when the ring changes it - ")
+                    + "wait on every request (the irecv too) before using the buffers")
+        if not torch.equal(sent[0], outgoing) or sends[0]["ptr"] == incoming.data_ptr():
+            return (f"{who} sent something other than `outgoing` - are `outgoing` and `incoming` swapped? "
+                    f"Send `outgoing`, receive into `incoming`")
+        if not torch.all(incoming == ARRIVES):
+            return (f"{who} returned with `incoming` not holding what arrived: receive into `incoming` itself "
+                    f"(or copy the arrival into it, in place)")
+        if not torch.all(outgoing == 5.0):
+            return f"{who} changed `outgoing`: it must only be sent"
+        loose = [op["kind"] for op in calls.ops if not op["batch"]]
+        if loose:
+            return (f"{who} posted its {' and '.join(loose)} one by one: NCCL wants a send and a receive that "
+                    f"run at the same time posted together as one group - pass both as dist.P2POp to "
+                    f"dist.batch_isend_irecv")
+    return ""
+
+
+def check_exchange(checks: Checks, device: torch.device) -> bool:
+    """send_right_receive_left on its own: first a dry run as a 3-rank ring (peers, buffers, waits,
+    whatever the real world size), then for real: rank r must receive its left neighbour's values."""
+    mistake = exchange_mistakes(device)  # the same on every rank: all stop here together
+    if mistake:
+        checks.fail(mistake)
+        return False
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    left = (rank - 1) % world_size
+    outgoing = torch.arange(4, dtype=torch.float32, device=device) + 100 * rank
+    incoming = torch.full((4,), -1.0, device=device)
+    send_right_receive_left(outgoing, incoming)
+    got = incoming.cpu()
+    if torch.equal(got, torch.arange(4.0) + 100 * left):
+        return checks.expect(True, "")
+    if torch.equal(got, torch.full((4,), -1.0)):
+        return checks.expect(False, f"send_right_receive_left returned, but nothing arrived in `incoming` "
+                                    f"(expected rank {left}'s values) - did you wait on the receive?")
+    return checks.expect(False, f"send_right_receive_left: `incoming` holds {got.tolist()}, not rank {left}'s "
+                                f"values {(torch.arange(4.0) + 100 * left).tolist()}")
+
+
 def ring_cases(world_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Every dtype on a size divisible by world_size first (so a chunk-index mistake is seen
     before a size one), then sizes that are not: a remainder, fewer elements than ranks, 2-D."""
@@ -213,8 +353,7 @@ class UsedCollective(RuntimeError):
 
 def forbid_collectives():
     """While the ring runs, the collectives that would do the job for it raise UsedCollective."""
-    names = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
-             "all_gather_into_tensor", "broadcast")
+    names = COLLECTIVES
     saved = {name: getattr(dist, name) for name in names}
 
     def refuse(name):
@@ -227,31 +366,104 @@ def forbid_collectives():
     return lambda: [setattr(dist, name, fn) for name, fn in saved.items()]
 
 
-def run_ring(tensor: torch.Tensor) -> str | None:
-    """Call the learner's ring; return a diagnosis if it could not finish."""
-    restore = forbid_collectives()
+class BadBuffer(RuntimeError):
+    pass
+
+
+class LeftBehind(RuntimeError):
+    pass
+
+
+EXCHANGING, DONE = 1, 0  # the first number of every row the check's group carries during a ring
+
+
+def rows_of_all(group: dist.ProcessGroup, row: list[int]) -> list[list[int]]:
+    """Every rank's row of four numbers, in rank order (c10d's all_gather: dist's is refused in the ring)."""
+    from torch.distributed import distributed_c10d as c10d
+    every = [torch.zeros(4, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    c10d.all_gather(every, torch.tensor(row), group=group)
+    return [t.tolist() for t in every]
+
+
+def watched_exchange(group: dist.ProcessGroup):
+    """send_right_receive_left as the ring calls it, after the ranks compare notes on the check's
+    group (all together, so that all stop at the same call): has a rank left the ring already, and
+    has each rank's `incoming` room for exactly what its left neighbour sends? Any would
+    otherwise crash one rank and leave the others waiting for it."""
+    learners, calls = send_right_receive_left, [0]
+
+    def exchange(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
+        world_size = dist.get_world_size()
+        kind = 0 if (incoming.dtype, incoming.device) == (outgoing.dtype, outgoing.device) else (
+            1 if incoming.dtype != outgoing.dtype else 2)
+        rows = rows_of_all(group, [EXCHANGING, outgoing.numel(), incoming.numel(), kind])
+        gone = [r for r, row in enumerate(rows) if row[0] == DONE]
+        if gone:
+            raise LeftBehind(f"the ring stopped waiting for rank {gone[0]}, whose ring_all_reduce stopped first "
+                             f"(see its line)" if rows[gone[0]][1] else
+                             f"rank {gone[0]} had finished its ring while this rank still exchanged - do all "
+                             f"ranks run the same number of steps (N-1 per phase)?")
+        calls[0] += 1
+        phase, step = ("scatter-reduce", calls[0] - 1) if calls[0] < world_size else ("all-gather", calls[0] - world_size)
+        for r in range(world_size):
+            if rows[r][3]:
+                what = "dtype" if rows[r][3] == 1 else "device"
+                raise BadBuffer(f"at step {step} of the {phase}, rank {r} received into a buffer of another {what} "
+                                 f"than the chunk it sent: the receive buffer must have the tensor's dtype and "
+                                 f"device (torch.empty_like, not torch.empty)")
+            sent, room = rows[(r - 1) % world_size][1], rows[r][2]
+            if sent != room:
+                raise BadBuffer(f"at step {step} of the {phase}, rank {r} received into a buffer of {room} "
+                                 f"elements while rank {(r - 1) % world_size} sent {sent}: chunks differ in size "
+                                 f"when the length does not divide by world_size - receive into a buffer of the "
+                                 f"incoming chunk's size")
+        learners(outgoing, incoming)
+
+    return exchange
+
+
+def run_ring(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[int, str | None, list[int]]:
+    """Call the learner's ring on every rank; return how it ended here - 0 (finished), 1 (waited
+    for another rank in vain) or 2 (stopped by itself) - with a diagnosis, and every rank's code.
+    Returns on all ranks together, even when one rank's ring crashed half-way."""
+    restore, learners = forbid_collectives(), send_right_receive_left
+    globals()["send_right_receive_left"] = watched_exchange(group)
+    code, why = 0, None
     try:
         ring_all_reduce(tensor)
-    except UsedCollective as error:
-        return str(error)
+    except (UsedCollective, BadBuffer) as error:
+        code, why = 2, str(error)
+    except LeftBehind as error:
+        code, why = 1, str(error)
     except NotImplementedError:
         raise
-    except RuntimeError as error:
-        text = str(error)
-        if "Timed out" in text or "timed out" in text or "Connection closed" in text:
-            return ("the ring stopped: a send or recv timed out - likely a deadlock. If every rank first "
-                    "waits in a blocking recv (or send), no rank ever gets to its send: post isend and "
-                    "irecv together, then wait on both")
-        raise
+    except Exception as error:  # a crash on one rank must not leave the others waiting for ever
+        text = str(error).lower()
+        if "timed out" in text or "closed" in text or "reset by peer" in text:
+            code, why = 1, ("the ring stopped: a send or recv timed out - likely a deadlock. If every rank first "
+                            "waits in a blocking recv (or send), no rank ever gets to its send: post isend and "
+                            "irecv together, then wait on both")
+        else:
+            code, why = 2, f"ring_all_reduce raised {explain(error)}"
     finally:
+        globals()["send_right_receive_left"] = learners
         restore()
-    return None
+    # Say DONE until every rank says it: a rank still inside its ring sees DONE in exchange() and leaves.
+    while True:
+        rows = rows_of_all(group, [DONE, code, 0, 0])
+        if all(row[0] == DONE for row in rows):
+            codes = [row[1] for row in rows]
+            break
+    crashed = [r for r, c in enumerate(codes) if c == 2]
+    if code == 1 and crashed:  # this rank only waited for a rank whose ring stopped by itself
+        why = f"the ring stopped waiting for rank {crashed[0]}, whose ring_all_reduce stopped first (see its line)"
+    return code, why, codes
 
 
 BASE = 100  # probe digits: rank r gives BASE**r; float64 holds BASE**7 exactly, so up to 7 ranks
 
 
-def contributions(world_size: int, device: torch.device) -> list[list[int]] | None:
+def contributions(world_size: int, device: torch.device, group: dist.ProcessGroup) -> list[list[int]] | None:
     """Run the learner's ring once more on a probe: rank r gives BASE**r everywhere, so each digit
     (base BASE) of the result counts how often one rank's values got into it (a right sum is 1 each).
     Returns, per chunk, the count of every rank; None where the result is no such number."""
@@ -259,10 +471,7 @@ def contributions(world_size: int, device: torch.device) -> list[list[int]] | No
         return None
     # equal chunks: a wrong chunk index then mixes up values without a size mismatch
     probe = torch.full((world_size * 3,), float(BASE ** dist.get_rank()), dtype=torch.float64, device=device)
-    try:
-        if run_ring(probe):
-            return None
-    except RuntimeError:
+    if any(run_ring(probe, group)[2]):
         return None
     counts = []
     for chunk in probe.cpu().tensor_split(world_size):
@@ -343,7 +552,12 @@ def diagnose_ring(result: torch.Tensor, expected: torch.Tensor, mine: torch.Tens
     good = [not w.any() for w in wrong.split(bounds)]
     if good.count(True) == 1 and good.index(True) == (rank + 1) % world_size:
         return (f"{where}: only chunk {(rank + 1) % world_size}, the one this rank reduced, is right - "
-                f"is the all-gather phase missing?")
+                f"is the all-gather phase missing? Or does it rebind chunks[i] = ... where it must write "
+                f"into the chunk (receive into it, or chunks[i].copy_(...))?")
+    if good.count(True) == 1 and good.index(True) == rank:
+        return (f"{where}: only chunk {rank}, the one this rank's all-gather received first, is right - did "
+                f"the scatter-reduce rebind chunks[i] = chunks[i] + arrived? That makes a new tensor, no "
+                f"longer a view of `tensor`, so the sums never reach it: add in place (chunks[i] += arrived)")
     right = ", ".join(str(c) for c, ok in enumerate(good) if ok) or "none"
     return (f"{where} (chunks right: {right}) - an off-by-one chunk index? In each phase a rank sends on the "
             f"chunk it received at the step before")
@@ -352,6 +566,9 @@ def diagnose_ring(result: torch.Tensor, expected: torch.Tensor, mine: torch.Tens
 def check_ring(checks: Checks, device: torch.device) -> bool:
     """The ring against dist.all_reduce on the same inputs; stops at the first failure."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    # The check's own messages go on a group of their own, CPU and gloo whatever the backend, with
+    # a long timeout: a rank whose ring crashed waits there while the others' recvs time out (10 s).
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
     for shape, dtype in ring_cases(world_size):
         mine = example(shape, dtype, rank, device)
         expected = mine.clone()
@@ -359,18 +576,19 @@ def check_ring(checks: Checks, device: torch.device) -> bool:
         abs_sum = mine.double().abs()
         dist.all_reduce(abs_sum)
         result = mine.clone()
-        stopped = run_ring(result)
+        stopped, why, codes = run_ring(result, group)
         if stopped:
-            checks.fail(f"{shape} {str(dtype).replace('torch.', '')}: {stopped}")
+            checks.fail(f"{shape} {str(dtype).replace('torch.', '')}: {why}")
             return False
-        tol = tolerance(dtype, abs_sum, world_size)
+        if any(codes):
+            checks.expect(True, "")  # this rank's ring finished; another's did not (its line says why)
+            return False
         ok = result.dtype == dtype and result.shape == mine.shape and bool(
-            ((result.double() - expected.double()).abs() <= tol).all())
-        # Every rank must learn whether any rank failed: then all run the probe together.
-        failed = torch.tensor([0 if ok else 1], device=device)
-        dist.all_reduce(failed)
-        if failed.item():
-            probe = diagnose_counts(contributions(world_size, device), world_size)
+            ((result.double() - expected.double()).abs() <= tolerance(dtype, abs_sum, world_size)).all())
+        # Every rank must learn whether any rank's values are wrong: then all run the probe together.
+        if any(row[1] for row in rows_of_all(group, [DONE, int(not ok), 0, 0])):
+            tol = tolerance(dtype, abs_sum, world_size)
+            probe = diagnose_counts(contributions(world_size, device, group), world_size)
             checks.expect(ok, "" if ok else diagnose_ring(result, expected, mine, tol, world_size, probe))
             return False
         checks.expect(True, "")
@@ -420,7 +638,10 @@ def check_training(checks: Checks, device: torch.device) -> None:
 
 
 def main(me: Rank, checks: Checks) -> None:
-    if check_chunks(checks, me.device) and check_ring(checks, me.device):
+    if me.world_size == 2:
+        print0("note: on 2 ranks some ring mistakes (a chunk index off by one) still give the right sum: "
+               "run on 3 or 4 ranks too")
+    if check_chunks(checks, me.device) and check_exchange(checks, me.device) and check_ring(checks, me.device):
         print0(f"ring_all_reduce equals dist.all_reduce on {len(ring_cases(me.world_size))} "
                f"shape/dtype cases")
         check_training(checks, me.device)

@@ -6,6 +6,8 @@ SCATTER = ("        arrived = landing[:chunks[receive].numel()]\n"
            "        send_right_receive_left(chunks[send], arrived)\n"
            "        chunks[receive] += arrived\n")
 COPY_BACK = "        g.copy_(flat[offset:offset + g.numel()].view_as(g))\n"
+EXCHANGE = "    ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]\n"
+WAIT = "    for request in dist.batch_isend_irecv(ops):\n        request.wait()\n"
 
 MUTATIONS = [
     Mutation("off-by-one chunk index",
@@ -68,4 +70,28 @@ MUTATIONS = [
     Mutation("offset never advanced in the copy-back",
              "        offset += g.numel()\n    # END SOLUTION", "    # END SOLUTION",
              "does the offset advance by each grad's numel()?", 3),
+    # Found by a learner (issue 19): passed at 2 ranks, "an off-by-one chunk index?" at 3; the dry run
+    # plays a 3-rank ring, so 2 ranks show it too
+    Mutation("ring direction reversed", EXCHANGE,
+             "    ops = [dist.P2POp(dist.isend, outgoing, left), dist.P2POp(dist.irecv, incoming, right)]\n",
+             "the ring goes the other way", 2),
+    # Found by a learner: a timeout inside the check's own all_reduce, or "Connection reset by peer"
+    Mutation("only the first request waited", WAIT, "    dist.batch_isend_irecv(ops)[0].wait()\n",
+             "wait on every request (the irecv too)", 2),
+    # Found by a learner: one rank crashed in add_ (raw size error), the others timed out
+    Mutation("receive buffer the size of chunk 0", SCATTER,
+             "        send_right_receive_left(chunks[send], landing)\n"
+             "        chunks[receive] += landing\n",
+             "receive into a buffer of the incoming chunk's size", 3),
+    # passed on gloo; NCCL wants the pair posted as one group
+    Mutation("isend and irecv posted one by one", EXCHANGE + WAIT,
+             "    for request in [dist.isend(outgoing, right), dist.irecv(incoming, left)]:\n        request.wait()\n",
+             "pass both as dist.P2POp to dist.batch_isend_irecv", 2),
+    Mutation("outgoing and incoming swapped", EXCHANGE,
+             "    ops = [dist.P2POp(dist.isend, incoming, right), dist.P2POp(dist.irecv, outgoing, left)]\n",
+             "are `outgoing` and `incoming` swapped?", 2),
+    # issue 19: was "an off-by-one chunk index?"
+    Mutation("scatter-reduce rebinds the chunk (not in place)", "        chunks[receive] += arrived\n",
+             "        chunks[receive] = chunks[receive] + arrived\n",
+             "add in place (chunks[i] += arrived)", 2),
 ]
