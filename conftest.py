@@ -1,0 +1,16 @@
+"""pytest, for `make test`: each notebook's cells stay together on one pytest-xdist worker."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """A notebook's cells run in order in one kernel, so a notebook is one unit of work; every other
+    test is a unit of its own and goes to whichever worker is free. Units with the most tests go
+    first, so the notebooks (the longest units) start at once. (xdist's own --dist loadgroup would
+    do this with marks, but under pytest 9 it no longer regroups tests.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebooksTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(".ipynb") else nodeid
+
+    return NotebooksTogether(config, log)
