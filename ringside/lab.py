@@ -112,8 +112,10 @@ def report(checks: Checks, title: str, timeout: timedelta = DEFAULT_TIMEOUT) -> 
     try:
         if not dist.is_initialized():  # the lab stopped before it joined the group itself
             init_distributed(timeout)
-        # A fresh gloo group: the default one may be broken by a failed or timed-out collective.
-        group = dist.new_group(backend="gloo", timeout=timeout)
+        # A fresh gloo group: the default one may be broken by a failed or timed-out collective. A
+        # rank that failed early waits here for ranks still stuck in a collective until theirs times
+        # out (after `timeout`, perhaps twice), so this wait is longer: no verdict is lost.
+        group = dist.new_group(backend="gloo", timeout=max(3 * timeout, timedelta(seconds=60)))
         verdicts: list = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, (checks.count, checks.failures), group=group)
     except Exception as error:  # no common report is possible: each rank speaks for itself
