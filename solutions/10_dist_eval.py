@@ -40,14 +40,16 @@ def eval_loader(dataset: TensorDataset) -> DataLoader:
 
 
 def local_sums(model: nn.Module, loader: DataLoader, n_samples: int, device: torch.device) -> torch.Tensor:
-    """A float64 tensor [correct, count, loss_sum] over this rank's *real* samples.
+    """This rank's [correct, count, loss_sum], one float64 tensor, over its *real* samples only.
 
-    The k-th sample this rank sees sits at position rank + k * world_size of the sampler's padded
-    list; a position >= n_samples is a padding copy: leave it out of all three sums.
-    loss_sum is the sum of the per-sample cross-entropy losses (F.cross_entropy(..., reduction="none"))."""
-    # HINT 1: k counts this rank's samples across all its batches, not within one batch: keep a running count of the samples already seen; evaluate as for a test (model.eval(), no gradients)
-    # HINT 2: positions = rank + world_size * torch.arange(seen, seen + len(y)); real = positions < n_samples; add (logits.argmax(1) == y)[real].sum(), real.sum() and F.cross_entropy(logits, y, reduction="none")[real].sum()
-    # BEGIN SOLUTION: return float64 [correct, count, loss_sum] over this rank's real samples only (every padding copy left out), loss_sum being the sum of the per-sample cross-entropy losses
+    `loader` gives this rank's shard of a data set of `n_samples`, padded by DistributedSampler (see
+    eval_loader): no padding copy may count in any of the three sums. correct: how many real samples
+    the model classifies right; count: how many real samples; loss_sum: the sum of their per-sample
+    cross-entropy losses. Evaluate as for a test. No communication here: exact_metrics adds up."""
+    # HINT 1: evaluate as for a test: model.eval() (dropout off) and torch.no_grad(). A sample is a padding copy when its position in the sampler's padded list is >= n_samples
+    # HINT 2: the k-th sample of this rank sits at position rank + k * world_size, k counted across all of its batches (not restarted in each): keep a count of the samples already seen
+    # HINT 3: positions = rank + world_size * torch.arange(seen, seen + len(y)); real = positions < n_samples; add (logits.argmax(1) == y)[real].sum(), real.sum() and F.cross_entropy(logits, y, reduction="none")[real].double().sum() into a float64 torch.zeros(3)
+    # BEGIN SOLUTION: return this rank's float64 [correct, count, loss_sum] over its real samples only (no padding copy in any of the three), loss_sum being the sum of per-sample cross-entropy losses
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     seen = 0
@@ -68,11 +70,11 @@ def local_sums(model: nn.Module, loader: DataLoader, n_samples: int, device: tor
 
 
 def exact_metrics(sums: torch.Tensor) -> tuple[float, float]:
-    """(accuracy, mean loss) over all ranks' samples, the same on every rank, from each rank's
-    [correct, count, loss_sum]."""
+    """(accuracy, mean loss) over the real samples of all ranks, the same on every rank, from each
+    rank's [correct, count, loss_sum]. The caller keeps `sums` as this rank's own: leave it as it is."""
     # HINT 1: ratios do not add up over shards of unequal sizes: add up the numerators and the count over the ranks, then divide once
-    # HINT 2: totals = sums.clone(); dist.all_reduce(totals, op=dist.ReduceOp.SUM); correct / count and loss_sum / count
-    # BEGIN SOLUTION: return (accuracy, mean loss) over every rank's real samples, the same on every rank, leaving `sums` unchanged
+    # HINT 2: all_reduce works in place, on the tensor it is given: totals = sums.clone(); dist.all_reduce(totals, op=dist.ReduceOp.SUM); then correct / count and loss_sum / count
+    # BEGIN SOLUTION: return (accuracy, mean loss) over all ranks' real samples, the same on every rank
     totals = sums.clone()
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     correct, count, loss_sum = totals.tolist()
@@ -106,94 +108,183 @@ def per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torc
         return (logits.argmax(dim=1) == y).double(), F.cross_entropy(logits, y, reduction="none").double()
 
 
-def mistakes(correct: torch.Tensor, losses: torch.Tensor, world_size: int, rank: int,
-             several_batches: bool) -> dict[str, tuple[float, float]]:
-    """What the classic mistakes would report: (accuracy, mean loss) of each."""
+def readings(correct: torch.Tensor, losses: torch.Tensor, world_size: int) -> dict[str, torch.Tensor]:
+    """[correct, count, loss_sum] of every rank (world_size x 3) under each reading of "the real
+    samples": the right one and the classic wrong masks, plus ways of adding up a batch."""
     n = len(correct)
     padded = torch.arange(-(-n // world_size) * world_size) % n  # the sampler's list, padding included
     per_rank = len(padded) // world_size
-    shards = [torch.arange(r, n, world_size) for r in range(world_size)]  # real samples only
-    own = [(correct[s].mean().item(), losses[s].mean().item()) for s in shards]
-    mine = padded[rank::world_size]
-    k = torch.arange(per_rank)
+    k = torch.arange(per_rank)  # k-th sample of a rank, counted across its batches
+    masks = {
+        "right": lambda r: r + world_size * k < n,
+        "padded": lambda r: torch.ones(per_rank, dtype=torch.bool),
+        "off by one": lambda r: r + world_size * k <= n,
+        "no offset": lambda r: r + world_size * (k % BATCH) < n,
+        "no rank": lambda r: world_size * k < n,
+        "contiguous": lambda r: r * per_rank + k < n,
+    }
+    rows = {name: [] for name in [*masks, "batches", "batch means", "batch means, padding in",
+                                  "padded mean times count", "batch accuracies", "whole size"]}
+    for r in range(world_size):
+        mine = padded[r::world_size]
+        for name, mask in masks.items():
+            real = mask(r)
+            rows[name].append([correct[mine][real].sum(), real.sum().double(), losses[mine][real].sum()])
+        real = masks["right"](r)
+        batches = [slice(start, start + BATCH) for start in range(0, per_rank, BATCH)]
+        means = [(correct[mine][b][real[b]].mean(), losses[mine][b][real[b]].mean(), losses[mine][b].mean(),
+                  real[b].sum()) for b in batches if real[b].any()]
+        right = rows["right"][r]
+        rows["batches"].append([right[0], torch.tensor(float(len(batches))), right[2]])
+        rows["batch means"].append([right[0], right[1], sum(m[1] for m in means)])
+        rows["batch means, padding in"].append([right[0], right[1], sum(m[2] for m in means)])
+        rows["padded mean times count"].append([right[0], right[1], sum(m[2] * m[3] for m in means)])
+        rows["batch accuracies"].append([sum(m[0] for m in means), right[1], right[2]])
+        rows["whole size"].append([right[0], torch.tensor(float(n)), right[2]])
+    return {name: torch.tensor([[float(v) for v in row] for row in table], dtype=torch.float64)
+            for name, table in rows.items()}
 
-    def kept(positions_of) -> tuple[float, float]:
-        """Every rank keeps the samples whose (wrongly computed) position is below n."""
-        picks = torch.cat([padded[r::world_size][positions_of(r) < n] for r in range(world_size)])
-        return correct[picks].mean().item(), losses[picks].mean().item()
 
-    sums = torch.stack([torch.stack([correct[s].sum(), torch.tensor(float(len(s))), losses[s].sum()])
-                        for s in shards])
-    biggest = sums.max(0).values
-    found = {}
-    if several_batches:  # only a rank with several batches can show a missing running offset
-        found["no offset"] = kept(lambda r: r + world_size * (k % BATCH))
-    found.update({
-        "padded": (correct[padded].mean().item(), losses[padded].mean().item()),
-        "no rank": kept(lambda r: world_size * k),
-        "contiguous": kept(lambda r: r * per_rank + k),
-        "count with padding": (correct.sum().item() / len(padded), losses.sum().item() / len(padded)),
-        "averaged": (sum(a for a, _ in own) / world_size, sum(b for _, b in own) / world_size),
-        "max": ((biggest[0] / biggest[1]).item(), (biggest[2] / biggest[1]).item()),
-        "local": (correct[mine].mean().item(), losses[mine].mean().item()),
-        "local real": own[rank],
-    })
-    return found
+def close(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Which of [correct, count, loss_sum] (columns) agree on every rank. Tolerances: correct and count
+    are whole numbers (exact, 1e-9); per-sample float32 losses may differ in their last bit between
+    batchings (a relative 1e-7 each): 1e-6 relative on a loss sum (the mistakes move it > 1e-4)."""
+    tolerance = torch.tensor([1e-9, 1e-9, 0.0], dtype=torch.float64) + 1e-6 * expected.abs() * torch.tensor([0, 0, 1])
+    return ((got - expected).abs() <= tolerance).all(dim=0)
 
 
-def check_metrics(checks: Checks, model: nn.Module, dataset: TensorDataset, accuracy: float, loss: float,
-                  still_training: bool, one_batch_sizes_passed: bool) -> None:
-    rank, world_size, n = dist.get_rank(), dist.get_world_size(), len(dataset)
-    correct, losses = per_sample(model, *dataset.tensors)
-    ref_accuracy, ref_loss = correct.mean().item(), losses.mean().item()
-    if not (math.isfinite(accuracy) and math.isfinite(loss)):
-        checks.fail(f"{n} samples on {world_size} ranks: accuracy {accuracy}, mean loss {loss} - not a number: "
-                    f"a division by a count of 0 (is the count added up?) or a NaN loss")
-        return
-    # Tolerances: the accuracy is a ratio of whole numbers, computed exactly in float64 both ways
-    # (1e-12); per-sample float32 losses may differ in their last bit between batchings, and the
-    # float64 sums in their order: 1e-6 on a mean loss of about 1 (the mistakes move it > 1e-5).
-    acc_ok, loss_ok = abs(accuracy - ref_accuracy) <= 1e-12, abs(loss - ref_loss) <= 1e-6
-    if acc_ok and loss_ok:
-        checks.expect(True, "")
-        return
+def listed(column: torch.Tensor) -> str:
+    return ", ".join(f"{v:g}" if v == int(v) else f"{v:.3f}" for v in column.tolist())
+
+
+def local_sums_finding(table: torch.Tensor, correct: torch.Tensor, losses: torch.Tensor, n: int,
+                       smaller_sizes_passed: bool) -> str | None:
+    """What is wrong with every rank's [correct, count, loss_sum] (table: world_size x 3), or None.
+    The same answer on every rank: it looks at all ranks' sums at once."""
+    world_size = len(table)
+    if not torch.isfinite(table).all():
+        return (f"local_sums returned {listed(table.flatten())} (ranks in order): not a number - a NaN loss, "
+                f"or a mean over a batch with no real sample (0 / 0)")
+    ways = readings(correct, losses, world_size)
+    right = ways["right"]
+    if close(table, right).all():
+        return float32_finding(table, right)
     size = -(-n // world_size) * world_size
-    hints = {
-        "no offset": ("the padding copies were left out only in each rank's first batch: the position of "
-                      "a sample continues across batches - count the samples already seen and add them to k"),
+    whole = {  # mistakes that make all three sums wrong the same way
         "padded": f"you counted the padded duplicates: DistributedSampler repeats {size - n} sample(s) so every "
                   f"rank gets as many - leave out positions >= {n} (position = rank + k * world_size, k counted "
                   f"across all of this rank's batches)",
+        "off by one": f"a sample at position {n} is a padding copy (the real ones sit at 0..{n - 1}): the mask "
+                      f"must be positions < n_samples, not <=",
+        "no offset": "the padding copies were left out only in each rank's first batch: the position of a sample "
+                     "continues across batches - count the samples already seen and add them to k",
         "no rank": "the positions leave out the rank: the k-th sample of rank r sits at r + k * world_size",
         "contiguous": "the positions assume contiguous shards (rank * shard size + k): DistributedSampler "
                       "strides, so the k-th sample of rank r sits at r + k * world_size",
-        "count with padding": "the count includes the padding copies while correct and loss_sum leave them out - "
-                              "count only the real samples",
-        "averaged": "you averaged the per-rank accuracies, but the shards have unequal sizes - add up "
-                    "correct, count and loss_sum over ranks first, then divide once",
-        "max": "that is the largest rank's share - all_reduce with ReduceOp.SUM, not MAX",
-        "local": "that is this rank's own shard only - all_reduce the sums over all ranks",
-        "local real": "that is this rank's own shard only - all_reduce the sums over all ranks",
     }
-    index = 0 if not acc_ok else 1
-    several_batches = n > BATCH * world_size and one_batch_sizes_passed
-    fits = [name for name, values in mistakes(correct, losses, world_size, rank, several_batches).items()
-            if abs(values[index] - (accuracy, loss)[index]) <= (1e-12 if index == 0 else 1e-6)]
-    if "no offset" in fits:  # the smaller sizes passed: the rank and the padding are right within a batch
-        hint = hints["no offset"]
-    elif fits:  # several mistakes give the same numbers here: name each
-        hint = "; or ".join(dict.fromkeys(hints[name] for name in fits))
-    else:
-        if still_training:
-            hint = ("the model was still in training mode, so dropout changed its answers: call model.eval() "
-                    "before evaluating")
-        else:
-            hint = ("add up [correct, count, loss_sum] of the real samples (per-sample losses, "
-                    "reduction='none'), all_reduce them, divide once")
-    what = "accuracy" if not acc_ok else "mean loss"
-    got, expected = (accuracy, ref_accuracy) if not acc_ok else (loss, ref_loss)
-    checks.fail(f"{n} samples on {world_size} ranks: {what} {got:.6f}, a single process says "
-                f"{expected:.6f}: {hint}")
+    if close(table, right.sum(0).expand(world_size, 3)).all():
+        return ("every rank's local_sums returned the totals over all ranks (an all_reduce inside it?): it must "
+                "return this rank's own sums - exact_metrics adds them up")
+    fits = [name for name in whole if close(table, ways[name]).all()]
+    if "no offset" in fits and n > BATCH * world_size and smaller_sizes_passed:
+        fits = ["no offset"]  # the one-batch sizes passed: the rank and the padding are right within a batch
+    if fits:
+        return "; or ".join(whole[name] for name in fits)
+    # One or two of the three sums are wrong: say which, and what each one looks like.
+    names = ("correct", "the count", "loss_sum")
+    ok = close(table, right)
+    mask_says = {
+        "padded": "includes the padding copies (is the mask applied to it?)",
+        "off by one": f"includes the sample at position {n}, a padding copy (the mask must be positions < n_samples)",
+        "no offset": "leaves the padding out only in each rank's first batch (positions continue across batches)",
+        "no rank": "uses positions without the rank (the k-th sample of rank r sits at r + k * world_size)",
+        "contiguous": "uses the positions of contiguous shards (DistributedSampler strides: r + k * world_size)",
+    }
+    other_says = {
+        (1, "batches"): "is the number of batches, not of samples: add up how many real samples each batch has",
+        (1, "whole size"): "is n_samples on every rank: count this rank's real samples only",
+        (2, "batch means"): "is a sum of batch means: adding up batch means (reduction='mean', the default, or "
+                            ".mean()) is not the sum over samples - add up the per-sample losses (reduction='none')",
+        (2, "batch means, padding in"): "is a sum of batch means, padding copies in: adding up batch means "
+                                        "(reduction='mean', the default) is not the sum over samples - add up the "
+                                        "per-sample losses (reduction='none') of the real samples",
+        (2, "padded mean times count"): "is each batch's mean loss times its count of real samples, but that "
+                                        "mean includes the padding copies - add up the per-sample losses "
+                                        "(reduction='none') of the real samples",
+        (0, "batch accuracies"): "adds up batch accuracies (a mean per batch): add up the 0/1 correct of every "
+                                 "real sample",
+    }
+    said, masked = [], False
+    for column in range(3):
+        if ok[column]:
+            continue
+        column_fits = [what for name, what in mask_says.items() if close(table, ways[name])[column]]
+        if close(table, ways["padded"])[column] and ok.any():  # the mask is right for the others: not applied here
+            column_fits = [mask_says["padded"]]
+        masked = masked or bool(column_fits)
+        column_fits += [what for (c, name), what in other_says.items() if c == column and close(table, ways[name])[c]]
+        generic = {0: "count the real samples whose arg-max class is the label",
+                   1: "count this rank's real samples",
+                   2: "add up the per-sample cross-entropy losses (reduction='none') of the real samples"}[column]
+        said.append(f"{names[column]} per rank is {listed(table[:, column])} where the real samples give "
+                    f"{listed(right[:, column])}: {names[column]} " + ("; or ".join(column_fits) if column_fits
+                                                                      else f"is off - {generic}"))
+    fine = [names[c] for c in range(3) if ok[c]]
+    if fine and masked:
+        said.append(f"{' and '.join(fine)} {'is' if len(fine) == 1 else 'are'} right: leave the same samples out "
+                    f"of all three sums")
+    return "; ".join(said)
+
+
+def float32_finding(table: torch.Tensor, right: torch.Tensor) -> str | None:
+    """A float64 sum of hundreds of float32 losses (the right way) almost never fits in float32's
+    24 significant bits; one added up in float32 and converted at the end always does."""
+    many = table[:, 1] >= 64  # a sum of a few losses may fit by chance
+    loss_sums = table[many, 2]
+    if len(loss_sums) and (loss_sums.float().double() == loss_sums).all():
+        return (f"loss_sum is {loss_sums[0].item()!r} on rank {int(many.nonzero()[0])}, where float64 gives "
+                f"{right[many, 2][0].item()!r}: every rank's loss_sum fits in float32's 24 significant bits, so it "
+                f"was added up in float32 and converted at the end, losing digits - add up in float64")
+    return None
+
+
+def exact_metrics_finding(table: torch.Tensor, rank: int, results: torch.Tensor) -> str | None:
+    """Is this rank's (accuracy, mean loss) what all ranks' sums (table, whatever they are) give?
+    results: every rank's (accuracy, mean loss), world_size x 2."""
+    accuracy, loss = results[rank].tolist()
+    if not (math.isfinite(accuracy) and math.isfinite(loss)):
+        return (f"exact_metrics returned accuracy {accuracy}, mean loss {loss} - not a number: a division "
+                f"by a count of 0 (is the count added up?) or a NaN loss")
+
+    def ratios(sums: torch.Tensor) -> tuple[float, float]:
+        return (sums[0] / sums[1]).item(), (sums[2] / sums[1]).item()
+
+    def fits(expected: tuple[float, float]) -> bool:
+        # Tolerances: the same float64 sums added up in another order: 1e-12 on ratios of about 1
+        return all(abs(a - b) <= 1e-12 * max(1.0, abs(b)) for a, b in zip((accuracy, loss), expected))
+
+    if fits(ratios(table.sum(0))):
+        return None
+    right = [r for r in range(len(table)) if all(abs(a - b) <= 1e-12 * max(1.0, abs(b))
+                                                 for a, b in zip(results[r].tolist(), ratios(table.sum(0))))]
+    per_rank = [ratios(row) for row in table]
+    variants = {
+        "you averaged the per-rank accuracies (and mean losses), but the shards have unequal sizes - add up "
+        "correct, count and loss_sum over ranks first, then divide once":
+            (sum(a for a, _ in per_rank) / len(table), sum(b for _, b in per_rank) / len(table)),
+        "that is the largest rank's share - all_reduce with ReduceOp.SUM, not MAX": ratios(table.max(0).values),
+        "that is this rank's own sums only - all_reduce the sums over all ranks (every rank needs the totals)":
+            per_rank[rank],
+    }
+    named = [hint for hint, expected in variants.items() if fits(expected)]
+    if right and not named:
+        named = [f"{'rank' if len(right) == 1 else 'ranks'} {', '.join(map(str, right))} got the right numbers, "
+                 f"this rank did not: every rank needs the totals - all_reduce (reduce gives them to one rank only)"]
+    want = ratios(table.sum(0))
+    return (f"exact_metrics returned accuracy {accuracy:.6f}, mean loss {loss:.6f}, but the sums of all ranks "
+            f"give {want[0]:.6f}, {want[1]:.6f}: "
+            + ("; or ".join(named) if named else "add up [correct, count, loss_sum] over all ranks (all_reduce, "
+                                                 "SUM), then divide once"))
 
 
 def main(me: Rank, checks: Checks) -> None:
@@ -202,20 +293,54 @@ def main(me: Rank, checks: Checks) -> None:
     for n in SIZES:
         dataset = TensorDataset(x[:n], y[:n])
         model.train()  # as a training loop leaves it
-        sums = local_sums(model, eval_loader(dataset), n, me.device)
-        still_training = model.training
+        dropout_on = []  # at every forward through a dropout layer during local_sums: was it in training mode?
+        hooks = [m.register_forward_pre_hook(lambda module, args: dropout_on.append(module.training))
+                 for m in model.modules() if isinstance(m, nn.Dropout)]
+        try:
+            sums = local_sums(model, eval_loader(dataset), n, me.device)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        where = f"{n} samples on {me.world_size} ranks: "
         if not (torch.is_tensor(sums) and sums.shape == (3,) and sums.dtype == torch.float64):
-            checks.fail(f"local_sums returned {type(sums).__name__} {getattr(sums, 'dtype', '')} "
+            checks.fail(f"{where}local_sums returned {type(sums).__name__} {getattr(sums, 'dtype', '')} "
                         f"{tuple(getattr(sums, 'shape', ()))}: return one float64 tensor [correct, count, loss_sum] "
                         f"(float32 sums of 1,001 losses lose digits)")
             return
+        # Every rank's sums and whether dropout was on, for a diagnosis that looks at all ranks at once.
+        mine = torch.cat([sums.detach().to(me.device), torch.tensor([float(any(dropout_on))], dtype=torch.float64,
+                                                                     device=me.device)])
+        everyone = [torch.empty_like(mine) for _ in range(me.world_size)]
+        dist.all_gather(everyone, mine)
+        table = torch.stack(everyone).cpu()
         kept = sums.clone()
-        accuracy, loss = exact_metrics(sums)
-        if not torch.equal(kept, sums):
-            checks.fail("exact_metrics changed its argument `sums` in place (an all_reduce on it): all_reduce "
-                        "a copy (sums.clone()), so that the caller's per-rank sums stay per-rank")
-        print0(f"{n} samples on {me.world_size} ranks: accuracy {accuracy:.4f}, mean loss {loss:.4f}")
-        check_metrics(checks, model, dataset, accuracy, loss, still_training, not checks.failures)
+        result = exact_metrics(sums)
+        try:
+            accuracy, loss = (float(value) for value in result)
+        except (TypeError, ValueError, RuntimeError):
+            checks.fail(f"{where}exact_metrics returned {result!r}: return two numbers, (accuracy, mean loss)")
+            return
+        print0(f"{where}accuracy {accuracy:.4f}, mean loss {loss:.4f}")
+        if table[:, 3].any():
+            on = [r for r in range(me.world_size) if table[r, 3]]
+            checks.fail(f"{where}dropout was active while local_sums evaluated (the model in training mode, on "
+                        f"rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}): call model.eval() before "
+                        f"evaluating (putting it back in training mode after the loop is fine)")
+        else:
+            correct, losses = per_sample(model, *dataset.tensors)
+            finding = local_sums_finding(table[:, :3], correct, losses, n, not checks.failures)
+            checks.expect(finding is None, f"{where}{finding}")
+        results = [torch.empty(2, dtype=torch.float64, device=me.device) for _ in range(me.world_size)]
+        dist.all_gather(results, torch.tensor([accuracy, loss], dtype=torch.float64, device=me.device))
+        finding = exact_metrics_finding(table[:, :3], me.rank, torch.stack(results).cpu())
+        checks.expect(finding is None, f"{where}{finding}")
+        checks.expect(torch.equal(kept, sums), f"{where}exact_metrics changed its argument `sums` in place (an "
+                      f"all_reduce on it): all_reduce a copy, so that the caller's per-rank sums stay per-rank")
+        # Stop after the first size that failed on any rank (all ranks together: the next size has collectives).
+        failed = torch.tensor([float(bool(checks.failures))], device=me.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            return
 
 
 if __name__ == "__main__":

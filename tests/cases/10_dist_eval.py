@@ -36,5 +36,22 @@ MUTATIONS = [
     Mutation("float32 sums", "sums = torch.zeros(3, dtype=torch.float64, device=device)",
              "sums = torch.zeros(3, device=device)", "return one float64 tensor", 2),
     Mutation("batch mean losses added up", "sums[2] += losses[real].double().sum()",
-             "sums[2] += losses[real].double().mean()", "per-sample losses, reduction='none'", 2),
+             "sums[2] += losses[real].double().mean()", "adding up batch means", 2),
+    # Found by a learner trying mistakes of their own:
+    Mutation("mask off by one", "            real = positions < n_samples\n",
+             "            real = positions <= n_samples\n", "the mask must be positions < n_samples", 4),
+    Mutation("mask left off correct", "sums[0] += (logits.argmax(dim=1) == y)[real].sum()",
+             "sums[0] += (logits.argmax(dim=1) == y).sum()", "correct includes the padding copies", 4),
+    Mutation("training mode restored after a batch-mean loss",  # model.train() after is fine: not blamed
+             "            sums[2] += losses[real].double().sum()\n    return sums\n",
+             "            sums[2] += losses[real].double().mean()\n    model.train()\n    return sums\n",
+             "adding up batch means", 4),
+    Mutation("float32 sums converted at the end",
+             "            sums[2] += losses[real].double().sum()\n    return sums\n",
+             "            sums = sums.float()  # a float32 accumulator, as torch.zeros(3) makes\n"
+             "            sums[2] += losses[real].sum()\n    return sums.double()\n",
+             "added up in float32", 4),
+    Mutation("count of batches", "sums[1] += real.sum()", "sums[1] += 1", "the number of batches", 2),
+    Mutation("all_reduce inside local_sums", "    return sums\n", "    dist.all_reduce(sums)\n    return sums\n",
+             "returned the totals over all ranks", 2),
 ]
