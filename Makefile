@@ -18,7 +18,7 @@ chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
 # pip, minus the warnings about package mirrors that this machine's pip.conf names but lacks
 PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
 
-.PHONY: help setup lab hint solution template test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench
+.PHONY: help setup lab hint solution template test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench cluster-overlap
 
 help: ## list the targets
 	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
@@ -114,6 +114,9 @@ cluster-down: ## (root) remove the simulated cluster
 
 cluster-bench: setup ## (root) naive vs ring vs all_reduce on 2 and 4 hosts; writes assets/cluster/
 	$(PY) -m tools.cluster bench --rate $(RATE)
+
+cluster-overlap: setup ## (root) chapter 12: a DDP step with and without overlap on 2 hosts, RATE links; writes assets/cluster/overlap.json
+	$(PY) -m tools.overlap_bench --rate $(RATE)
 
 labs: setup ## regenerate labs/ from solutions/ (maintainers; overwrites labs/)
 	$(PY) -m tools.labgen
