@@ -72,7 +72,7 @@ $(VENV)/.ui-ready: requirements-ui.txt $(VENV)/.ready
 	$(PIP) -r requirements-ui.txt
 	touch $@
 
-# One pytest session on four workers, notebooks first (they are the longest): a lab's ranks spend
+# One pytest session on four workers, notebooks and long tests first: a lab's ranks spend
 # much of their time waiting for each other, a deadlock test for its timeout and a notebook for its
 # kernel, so more workers than cores keep both cores busy. A notebook's cells stay on one worker
 # (see conftest.py); every other test goes to whichever worker is free.

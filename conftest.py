@@ -1,4 +1,15 @@
-"""pytest, for `make test`: each notebook's cells stay together on one pytest-xdist worker."""
+"""pytest, for `make test`: each notebook's cells stay together on one pytest-xdist worker, and the
+long tests start first, so that none of them is left running alone at the end."""
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `slow` first, the heaviest (`slow(3)`) before the others (`slow` is `slow(1)`);
+    a stable sort, so otherwise in collection order."""
+    def weight(item) -> int:
+        mark = item.get_closest_marker("slow")
+        return 0 if mark is None else (mark.args[0] if mark.args else 1)
+
+    items.sort(key=lambda item: -weight(item))
 
 
 def pytest_xdist_make_scheduler(config, log):

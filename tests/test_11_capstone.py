@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import LAUNCH_TIMEOUT, ROOT
+from conftest import LAUNCH_TIMEOUT, ROOT, launch
 from torch import nn
 
 from ringside import run_ranks
 from ringside.launch import quiet_env, torchrun_command
 from ringside.syncbn import convert_sync_batchnorm
+
+pytestmark = pytest.mark.slow(3)  # real torchrun jobs, killed and resumed
 
 SCRIPT = ROOT / "solutions" / "11_capstone.py"
 QUICK = ["--epochs", "2", "--no-resume-check"]  # 44 steps at 2 ranks: enough to kill one mid-way
@@ -87,16 +89,19 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_relaunched_job_resumes_from_the_checkpoint(tmp_path):
-    """No restart counter decides: a job launched again by hand (a new torchrun, restart count 0 on
-    every node) resumes because the checkpoint exists, and ends where an uninterrupted run ends."""
-    plain = capstone(tmp_path / "plain")
+    """No restart counter decides: a job launched again by hand (restart count 0 on every node)
+    resumes because the checkpoint exists, and ends where an uninterrupted run ends. The dying run
+    needs the real torchrun (it ends the surviving rank); the other two are forked, which the script
+    cannot tell from torchrun (the same variables) and costs no `import torch` per rank."""
+    plain = launch(SCRIPT, 2, "--out", str(tmp_path / "plain"), *QUICK)
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
 
     died = capstone(tmp_path / "relaunched", "--kill-rank", "1", "--kill-at-step", "35", restarts=0)
     assert died.returncode != 0, died.stdout[-3000:]
+    assert "killing myself (SIGKILL) before step 35" in died.stdout, died.stdout[-3000:]
     assert (tmp_path / "relaunched" / "checkpoint.pt").exists()
 
-    again = capstone(tmp_path / "relaunched", "--kill-rank", "1", "--kill-at-step", "35", restarts=0)
+    again = launch(SCRIPT, 2, "--out", str(tmp_path / "relaunched"), *QUICK, "--kill-rank", "1", "--kill-at-step", "35")
     log = again.stdout + again.stderr
     assert again.returncode == 0, log[-4000:]
     assert "at epoch 1, step 30" in again.stdout and "killing myself" not in again.stdout, log[-3000:]

@@ -13,7 +13,7 @@ from conftest import ROOT
 from tools import cluster
 
 REASON = cluster.why_not()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow(2)]
 MiB = 1024 * 1024
 
 

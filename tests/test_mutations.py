@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 from conftest import ROOT, launch
-from mutation import mutations
+from mutation import args, mutations, slow
 
 
 def cases():
     for stem, rows in mutations().items():
         for m in rows:
-            yield pytest.param(stem, m, id=f"{stem}-{m.name.replace(' ', '_')}")
+            yield pytest.param(stem, m, id=f"{stem}-{m.name.replace(' ', '_')}",
+                               marks=[pytest.mark.slow] if slow(stem) else [])
 
 
 @pytest.mark.parametrize("stem, mutation", list(cases()))
@@ -20,7 +21,7 @@ def test_check_names_the_mistake(stem, mutation, tmp_path):
     broken = tmp_path / "solutions" / f"{stem}.py"
     broken.parent.mkdir()
     broken.write_text(source.replace(mutation.old, mutation.new))
-    result = launch(broken, mutation.nproc)
+    result = launch(broken, mutation.nproc, *args(stem))
     out = result.stdout + result.stderr
     assert result.returncode != 0, f"the check did not catch '{mutation.name}':\n{out[-3000:]}"
     assert "FAIL" in result.stdout, out[-3000:]

@@ -24,6 +24,8 @@ from torch import nn
 
 from tools import cluster
 
+pytestmark = pytest.mark.slow(3)  # real torchrun jobs, killed and resumed
+
 SCRIPT = ROOT / "template" / "train_ddp.py"
 TINY = ["--epochs", "2", "--log-every", "1000", "--checkpoint-every", "10"]
 STEPS = 88  # at 2 processes: 2 epochs of 44 steps of 2 x 16 images (1,437 training images)

@@ -2,6 +2,8 @@
 
 from mutation import Mutation
 
+SLOW = True  # each run waits out a 2 s rendezvous timeout, a wrong one up to 20 s
+
 MUTATIONS = [
     Mutation("no timeout", ",\n                            world_size=settings.world_size, timeout=timedelta(seconds=settings.timeout_s))",
              ",\n                            world_size=settings.world_size)",

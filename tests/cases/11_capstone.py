@@ -7,6 +7,9 @@ NPROCS = (2, 4)
 AUTOCAST = ("    with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):\n"
             "        loss = F.cross_entropy(model(images), labels)\n")
 
+SLOW = True  # each run trains the capstone
+ARGS = ("--epochs", "2")  # every mistake below shows within 2 epochs (set_epoch needs 2)
+
 MUTATIONS = [
     Mutation("no set_epoch", "        loader.sampler.set_epoch(epoch)\n", "",
              "call loader.sampler.set_epoch(epoch) each epoch"),

@@ -2,6 +2,8 @@
 
 from mutation import Mutation
 
+SLOW = True  # its broken jobs wait out 10 s collective timeouts
+
 MUTATIONS = [
     # job 1: the fix must take every rank into the collective
     Mutation("job1 fix keeps the loss all_reduce inside the rank-0 branch",

@@ -4,6 +4,8 @@ Each chapter has a file tests/cases/NN_slug.py with
     MUTATIONS = [Mutation(what the mistake is, text in the solution, what replaces it,
                           words the diagnosis must contain, number of ranks), ...]
     NPROCS = (2, 4)     # optional: the rank counts its solution is tested at
+    ARGS = ("--epochs", "2")  # optional: arguments for every mutated run (a shorter one, say)
+    SLOW = True         # optional: its runs are long (training, timeouts): make test starts them first
 The original text must occur exactly once in the solution.
 """
 
@@ -41,3 +43,11 @@ def mutations() -> dict[str, list[Mutation]]:
 def nprocs(stem: str) -> tuple[int, ...]:
     module = chapter_cases().get(stem)
     return tuple(getattr(module, "NPROCS", (2, 4)))
+
+
+def slow(stem: str) -> bool:
+    return bool(getattr(chapter_cases().get(stem), "SLOW", False))
+
+
+def args(stem: str) -> tuple[str, ...]:
+    return tuple(getattr(chapter_cases().get(stem), "ARGS", ()))
