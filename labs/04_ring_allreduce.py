@@ -357,6 +357,14 @@ def rows_of_all(group: dist.ProcessGroup, row: list[int]) -> list[list[int]]:
     return [t.tolist() for t in every]
 
 
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do the two views overlap in memory (two chunks of one tensor do not)?"""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_end, b_end = a.data_ptr() + a.numel() * a.element_size(), b.data_ptr() + b.numel() * b.element_size()
+    return a.data_ptr() < b_end and b.data_ptr() < a_end
+
+
 def watched_exchange(group: dist.ProcessGroup):
     """send_right_receive_left as the ring calls it, after the ranks compare notes on the check's
     group (all together, so that all stop at the same call): has a rank left the ring already, and
@@ -368,6 +376,8 @@ def watched_exchange(group: dist.ProcessGroup):
         world_size = dist.get_world_size()
         kind = 0 if (incoming.dtype, incoming.device) == (outgoing.dtype, outgoing.device) else (
             1 if incoming.dtype != outgoing.dtype else 2)
+        if kind == 0 and shares_memory(outgoing, incoming):
+            kind = 3  # what arrives would overwrite what is being sent: the result depends on timing
         rows = rows_of_all(group, [EXCHANGING, outgoing.numel(), incoming.numel(), kind])
         gone = [r for r, row in enumerate(rows) if row[0] == DONE]
         if gone:
@@ -378,6 +388,10 @@ def watched_exchange(group: dist.ProcessGroup):
         calls[0] += 1
         phase, step = ("scatter-reduce", calls[0] - 1) if calls[0] < world_size else ("all-gather", calls[0] - world_size)
         for r in range(world_size):
+            if rows[r][3] == 3:
+                raise BadBuffer(f"at step {step} of the {phase}, rank {r} received into the very chunk it was "
+                                 f"sending: is there an off-by-one chunk index in the {phase}? (at each step a "
+                                 f"rank sends one chunk and receives another)")
             if rows[r][3]:
                 what = "dtype" if rows[r][3] == 1 else "device"
                 raise BadBuffer(f"at step {step} of the {phase}, rank {r} received into a buffer of another {what} "

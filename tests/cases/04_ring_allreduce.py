@@ -17,7 +17,7 @@ MUTATIONS = [
     Mutation("off-by-one chunk index in the all-gather",
              "send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size",
              "send, receive = (rank - step) % world_size, (rank - step) % world_size",
-             "an off-by-one chunk index in the all-gather?", 3),
+             "off-by-one chunk index in the all-gather?", 3),
     Mutation("remainder chunk dropped",
              "sizes = [base + (1 if i < extra else 0) for i in range(world_size)]\n",
              "sizes = [base for i in range(world_size)]\n",
