@@ -11,7 +11,6 @@ Run it with 4 processes:
 # LAB: fill in every TODO, then run it with torchrun (the command is in the docstring).
 # (For maintainers: `make labs` writes this file from solutions/04_ring_allreduce.py; edit that one.)
 
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -21,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 from ringside import Checks, Rank, print0, run_lab
-from ringside.calls import Recorder
+from ringside.calls import DryRun
 from ringside.compare import equal_on_all_ranks, flat_grads, flat_params, max_diff
 from ringside.data import regression
 from ringside.lab import explain
@@ -46,7 +45,7 @@ def send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> N
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     # (stuck? `make hint CH=04` prints hint 1 of 2; run it again for the next)
-    # TODO: send `outgoing` to the right neighbour and receive `incoming` from the left one, both in flight at once, and return when both are complete
+    # TODO: send `outgoing` to the right neighbour and receive `incoming` from the left one, both in flight at once and posted as one group (the form NCCL requires, chapter 02), and return when both are complete
     raise NotImplementedError("the TODO above")
 
 
@@ -161,64 +160,15 @@ COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"
                "all_gather_into_tensor", "broadcast", "barrier")
 
 
-class Posted:
-    """A request of the dry run: nothing travels; wait() delivers ARRIVES into a receive's buffer."""
-
-    def __init__(self, into: torch.Tensor | None = None):
-        self.into = into
-
-    def wait(self, *args, **kwargs) -> bool:
-        if self.into is not None:
-            self.into.fill_(ARRIVES)
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-@contextmanager
-def dry_run(rank: int, world_size: int, sent: list[torch.Tensor]):
-    """Inside, this process plays `rank` of `world_size`, and no message travels: isend/irecv
-    return Posted requests at once, a blocking recv delivers ARRIVES, what is sent is noted in `sent`."""
-    from torch.distributed import distributed_c10d as c10d
-
-    def isend(tensor, *args, **kwargs):
-        sent.append(tensor.detach().clone())
-        return Posted()
-
-    def send(tensor, *args, **kwargs):
-        isend(tensor)
-
-    def recv(tensor, *args, **kwargs):
-        tensor.fill_(ARRIVES)
-
-    def batch(ops):
-        return [op.op(op.tensor, op.peer) for op in ops]
-
-    fakes = {"isend": isend, "irecv": lambda tensor, *a, **k: Posted(tensor), "send": send, "recv": recv,
-             "batch_isend_irecv": batch}
-    saved = [(module, name, getattr(module, name)) for module in (dist, c10d) for name in fakes]
-    saved += [(dist, "get_rank", dist.get_rank), (dist, "get_world_size", dist.get_world_size)]
-    for module, name, _ in saved[:-2]:
-        setattr(module, name, fakes[name])
-    dist.get_rank, dist.get_world_size = (lambda group=None: rank), (lambda group=None: world_size)
-    try:
-        yield
-    finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
-
-
 def exchange_mistakes(device: torch.device) -> str:
     """send_right_receive_left played as each rank of a 3-rank ring, with nothing sent (so that a
     mistake cannot hang): whom it talks to, with which buffers, and whether it waits. "" if fine."""
     for rank in range(VIRTUAL):
         right, left = (rank + 1) % VIRTUAL, (rank - 1) % VIRTUAL
         outgoing, incoming = torch.full((4,), 5.0, device=device), torch.zeros(4, device=device)
-        sent: list[torch.Tensor] = []
         who = (f"send_right_receive_left, played as rank {rank} of {VIRTUAL} (a dry run: its calls noted, "
                f"nothing sent),")
-        with dry_run(rank, VIRTUAL, sent), Recorder(refuse=COLLECTIVES) as calls:
+        with DryRun(refuse=COLLECTIVES, arrives=ARRIVES, plays=(rank, VIRTUAL)) as calls:
             try:
                 send_right_receive_left(outgoing, incoming)
             except NotImplementedError:
@@ -253,7 +203,7 @@ def exchange_mistakes(device: torch.device) -> str:
                        "request left in flight can stall the next call) - " if "irecv" in unwaited else
                        "`outgoing` may still be in flight when the ring changes it - ")
                     + "wait on every request (the irecv too) before using the buffers")
-        if not torch.equal(sent[0], outgoing) or sends[0]["ptr"] == incoming.data_ptr():
+        if not torch.equal(sends[0]["sent"], outgoing) or sends[0]["ptr"] == incoming.data_ptr():
             return (f"{who} sent something other than `outgoing` - are `outgoing` and `incoming` swapped? "
                     f"Send `outgoing`, receive into `incoming`")
         if not torch.all(incoming == ARRIVES):
@@ -405,6 +355,7 @@ def watched_exchange(group: dist.ProcessGroup):
                                  f"incoming chunk's size")
         learners(outgoing, incoming)
 
+    exchange.count = lambda: calls[0]  # exchanges made so far, for run_ring
     return exchange
 
 
@@ -413,10 +364,17 @@ def run_ring(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[int, str |
     for another rank in vain) or 2 (stopped by itself) - with a diagnosis, and every rank's code.
     Returns on all ranks together, even when one rank's ring crashed half-way."""
     restore, learners = forbid_collectives(), send_right_receive_left
-    globals()["send_right_receive_left"] = watched_exchange(group)
+    exchange = watched_exchange(group)
+    globals()["send_right_receive_left"] = exchange
     code, why = 0, None
     try:
         ring_all_reduce(tensor)
+        world_size, made = dist.get_world_size(), exchange.count()
+        if made > 2 * (world_size - 1):  # the sum may still be right: a wasted step is seen only here
+            code, why = 2, (f"ring_all_reduce made {made} exchanges on {world_size} ranks, where the ring needs "
+                            f"N - 1 = {world_size - 1} per phase, {2 * (world_size - 1)} in all: each extra step "
+                            f"sends another chunk (each rank sends {made}/{world_size} of the tensor instead of "
+                            f"2(N-1)/N) - run each phase for exactly N - 1 steps")
     except (UsedCollective, BadBuffer) as error:
         code, why = 2, str(error)
     except LeftBehind as error:

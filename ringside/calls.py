@@ -1,4 +1,4 @@
-"""Recording a rank's point-to-point calls, for the self-checks of labs 02 and 03 (chapters 02-03).
+"""Recording a rank's point-to-point calls, for the self-checks of labs 02, 03 and 04.
 
     with Recorder(refuse=("all_reduce", ...)) as calls:
         learners_function()
@@ -6,7 +6,9 @@
 
 A check that sees the calls can name a mistake that the values alone cannot: a wait inside a
 function meant to return its requests, a receive from any source, tags, a collective where the lab
-asks for point-to-point messages only.
+asks for point-to-point messages only. `DryRun` records the calls without sending anything, so a
+learner's function can be rehearsed before it runs for real: a wrong peer or a deadlock is then
+named at once, never after a timeout.
 """
 
 from __future__ import annotations
@@ -87,3 +89,50 @@ def refused(name: str):
         raise RuntimeError(f"dist.{name} was called: this lab builds everything from point-to-point "
                            f"calls (send/recv, isend/irecv, batch_isend_irecv) only")
     return collective
+
+
+class DryRun(Recorder):
+    """A Recorder whose point-to-point calls go nowhere: the learner's function runs once "on
+    paper". A receive delivers `arrives` into its buffer (when its request is waited on, or at once
+    for a blocking recv; None leaves the buffer alone), each op notes the value sent (`sent`), and
+    with `plays=(rank, world_size)` this process answers dist.get_rank/get_world_size as that rank."""
+
+    def __init__(self, refuse: tuple[str, ...] = (), arrives: float | None = None,
+                 plays: tuple[int, int] | None = None):
+        super().__init__(refuse)
+        self.arrives, self.plays = arrives, plays
+
+    def _wrap(self, kind, original):
+        def nowhere(tensor, *args, **kwargs):
+            self.ops[-1]["sent"] = tensor.detach().clone() if "send" in kind else None
+            into = tensor if "recv" in kind and self.arrives is not None else None
+            if kind == "recv" and into is not None:
+                into.fill_(self.arrives)
+            return Delivered(into, self.arrives) if kind in ("isend", "irecv") else None
+        return super()._wrap(kind, nowhere)
+
+    def _batch(self, original):
+        return super()._batch(lambda ops: [op.op(op.tensor, op.peer) for op in ops])
+
+    def __enter__(self):
+        super().__enter__()
+        if self.plays is not None:
+            rank, world_size = self.plays
+            self.saved += [(dist, "get_rank", dist.get_rank), (dist, "get_world_size", dist.get_world_size)]
+            dist.get_rank, dist.get_world_size = (lambda group=None: rank), (lambda group=None: world_size)
+        return self
+
+
+class Delivered:
+    """The request of a dry-run isend/irecv: done at once; wait() delivers into a receive's buffer."""
+
+    def __init__(self, into=None, value=None):
+        self.into, self.value = into, value
+
+    def wait(self, *args, **kwargs) -> bool:
+        if self.into is not None:
+            self.into.fill_(self.value)
+        return True
+
+    def is_completed(self) -> bool:
+        return True

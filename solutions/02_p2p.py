@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, print_ranked, run_lab
-from ringside.calls import Recorded, Recorder
+from ringside.calls import DryRun, Recorded, Recorder
 
 # This lab runs on gloo (CPU) and on NCCL (GPUs) alike, so it keeps NCCL's three rules (chapter 02,
 # "Portable or not?"): every recv names its sender, no message relies on a `tag`, and sends and
@@ -99,35 +99,12 @@ def smooth(local: torch.Tensor, width: int,
 
 # --- The checks -----------------------------------------------------------------------------------
 
-class Rehearsal(Recorder):
-    """A Recorder whose point-to-point calls go nowhere: the learner's function runs once "on
-    paper", so the check learns every send and recv it would make without any of them blocking."""
-
-    def _wrap(self, kind, original):
-        def nothing(tensor, *args, **kwargs):
-            return Sent() if kind in ("isend", "irecv") else None
-        return super()._wrap(kind, nothing)
-
-    def _batch(self, original):
-        return super()._batch(lambda ops: [op.op(op.tensor, op.peer) for op in ops])
-
-
-class Sent:
-    """The request of a rehearsed isend/irecv: already done."""
-
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return True
-
-
 def rehearse(function, *args) -> list:
     """Every rank's planned calls in function(*args): [(kind, peer, dtype, numel, device), ...] per
     rank. A rank whose rehearsal raised re-raises here (after the others heard of it), so the error
     and its line reach the report."""
     error = None
-    with Rehearsal() as calls:
+    with DryRun() as calls:  # the calls are noted, nothing is sent: nothing can block
         try:
             function(*args)
         except Exception as raised:  # an open TODO or a crash: the others must not wait for this rank

@@ -94,4 +94,10 @@ MUTATIONS = [
     Mutation("scatter-reduce rebinds the chunk (not in place)", "        chunks[receive] += arrived\n",
              "        chunks[receive] = chunks[receive] + arrived\n",
              "add in place (chunks[i] += arrived)", 2),
+    Mutation("one step too many in the scatter-reduce (the sum stays right)",
+             "    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once\n"
+             "    for step in range(world_size - 1):",
+             "    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once\n"
+             "    for step in range(world_size):",
+             "run each phase for exactly N - 1 steps", 3),
 ]
