@@ -314,7 +314,26 @@ def main(me: Rank, checks: Checks) -> None:
         dist.all_gather(everyone, mine)
         table = torch.stack(everyone).cpu()
         kept = sums.clone()
-        result = exact_metrics(sums)
+        try:
+            result = exact_metrics(sums)
+        except NotImplementedError:
+            raise
+        except Exception as error:  # same on every rank: the totals are all-reduced before any division
+            total = int(table[:, 1].sum().item())
+            if total == n:
+                raise
+            correct, losses = per_sample(model, *dataset.tensors)
+            if total == 0:
+                finding = ("no sample was counted as real on any rank: are the positions shifted (the count of "
+                           "samples seen increased before this batch's positions were computed?) or the mask "
+                           "inverted?")
+            else:
+                finding = (local_sums_finding(table[:, :3], correct, losses, n, True) or
+                           f"the counts of all ranks add up to {total}, not {n}: each real sample must be "
+                           f"counted once, on exactly one rank")
+            checks.fail(f"{where}{finding} (exact_metrics then raised {type(error).__name__}: {error} - a "
+                        f"consequence, fix local_sums first)")
+            return
         try:
             accuracy, loss = (float(value) for value in result)
         except (TypeError, ValueError, RuntimeError):

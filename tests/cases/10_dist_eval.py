@@ -54,4 +54,11 @@ MUTATIONS = [
     Mutation("count of batches", "sums[1] += real.sum()", "sums[1] += 1", "the number of batches", 2),
     Mutation("all_reduce inside local_sums", "    return sums\n", "    dist.all_reduce(sums)\n    return sums\n",
              "returned the totals over all ranks", 2),
+    Mutation("positions computed after the batch was counted (every sample shifted one batch on)",
+             "            positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)\n"
+             "            real = positions < n_samples\n            seen += len(y)\n",
+             "            seen += len(y)\n"
+             "            positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)\n"
+             "            real = positions < n_samples\n",
+             "no sample was counted as real on any rank", 3),
 ]
