@@ -297,6 +297,15 @@ def forward_variants(rank: int, world_size: int) -> dict[str, tuple[torch.Tensor
     }
 
 
+MOMENTUM_SWAPPED = ("momentum is the weight of the new value: running = (1 - momentum) * running + "
+                    "momentum * batch statistic (PyTorch's convention, the opposite of an optimizer's)")
+
+
+def expect_buffer(checks: Checks, name: str, got: dict, ref: dict, hint: str) -> None:
+    """running_mean or running_var as BatchNorm on the global batch leaves it, else `hint`."""
+    checks.expect(close(got[name], ref[name]), f"{name} differs by {max_diff(got[name], ref[name]):.2e}: {hint}")
+
+
 def check_forward(checks: Checks, got: dict, ref: dict, rank: int, world_size: int) -> None:
     expected = my_slice(ref["output"], rank, world_size)
     if close(got["running_mean"], MOMENTUM * mean_of_means(world_size)):
@@ -318,12 +327,10 @@ def check_forward(checks: Checks, got: dict, ref: dict, rank: int, world_size: i
         return
     global_mean = ref["running_mean"] / MOMENTUM  # the reference started from 0
     if close(got["running_mean"], (1 - MOMENTUM) * global_mean):
-        hint = ("momentum is the weight of the new value: running = (1 - momentum) * running + "
-                "momentum * batch statistic (PyTorch's convention, the opposite of an optimizer's)")
+        hint = MOMENTUM_SWAPPED
     else:
         hint = "running_mean = (1 - momentum) * running_mean + momentum * global mean"
-    checks.expect(close(got["running_mean"], ref["running_mean"]),
-                  f"running_mean differs by {max_diff(got['running_mean'], ref['running_mean']):.2e}: {hint}")
+    expect_buffer(checks, "running_mean", got, ref, hint)
     n = sum(batch_sizes(world_size)) * SIZE * SIZE
     start = 1 - MOMENTUM  # what is left of the initial running_var of 1 after one step
     unbiased = (ref["running_var"] - start) / MOMENTUM
@@ -340,12 +347,10 @@ def check_forward(checks: Checks, got: dict, ref: dict, rank: int, world_size: i
         hint = (f"the unbiased correction count / (count - 1) used the number of images ({images}), not of values "
                 f"({n} = images x pixels) - use the global count of values per channel")
     elif close(got["running_var"], MOMENTUM + (1 - MOMENTUM) * unbiased):
-        hint = ("momentum is the weight of the new value: running = (1 - momentum) * running + "
-                "momentum * batch statistic (PyTorch's convention, the opposite of an optimizer's)")
+        hint = MOMENTUM_SWAPPED
     else:
         hint = "running_var = (1 - momentum) * running_var + momentum * unbiased global variance"
-    checks.expect(close(got["running_var"], ref["running_var"]),
-                  f"running_var differs by {max_diff(got['running_var'], ref['running_var']):.2e}: {hint}")
+    expect_buffer(checks, "running_var", got, ref, hint)
 
 
 def stand_ins_for_x_hat(world_size: int) -> list[tuple[torch.Tensor, str]]:

@@ -2,9 +2,10 @@
 
     run_ranks(fn, world_size)          fn on N ranks joined in one gloo group, from a notebook cell
     fork_processes(fn, n)              fn on N processes with no group (chapter 05: joining is the lesson)
-    torchrun_script(script, nproc)     a script under torchrun, from a cell; a failing job fails the cell
+    torchrun_script(script, nproc)     a script under torchrun, from a cell or a test; a failing job fails
+    torchrun_nodes(commands)           several torchruns at once, one per node (chapter 05, the cluster)
     fork_script(script, nproc)         the same script on N ranks forked from a test (no torch import each)
-    torchrun_command(script, nproc)    the torchrun command line that all of these (and tools/cluster.py) use
+    torchrun_command(script, nproc)    the torchrun command line that all of these (and tools/) use
 
 Why not `torch.multiprocessing.spawn` from a notebook? Spawn pickles the function by name and cannot
 find one defined in a notebook. Why not fork the kernel itself? On a machine with CUDA, a process
@@ -360,12 +361,16 @@ def fork_processes(fn: Callable[..., Any], n: int, *args: Any, timeout: float = 
 
 def torchrun_command(script: str | Path, nproc: int = 4, *args: str, all_ranks: bool = False,
                      nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-                     run_id: str = "none", master: str | None = None) -> list[str]:
+                     run_id: str = "none", master: str | None = None, max_restarts: int = 0,
+                     options: tuple[str, ...] = ()) -> list[str]:
     """The torchrun command line for `script` on `nproc` ranks per node.
 
     One node: --standalone (torchrun picks a free port). Several nodes: a c10d rendezvous at
-    `rdzv_endpoint` ("host:port"), or a static one at `master` ("host:port") with --node-rank."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    `rdzv_endpoint` ("host:port"), or a static one at `master` ("host:port") with --node-rank.
+    `max_restarts`: how often torchrun restarts every rank after one failed; `options`: further
+    torchrun options, as they are written on its command line."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", *options]
     if nnodes == 1 and rdzv_endpoint is None and master is None:
         cmd.append("--standalone")
     elif rdzv_endpoint is not None:
@@ -395,14 +400,15 @@ def torchrun_script(
     all_ranks: bool = False,
     env: dict[str, str] | None = None,
     show: bool = True,
+    max_restarts: int = 0,
 ) -> subprocess.CompletedProcess:
-    """Run `script` under torchrun and print what rank 0 printed.
+    """Run `script` under torchrun and print what rank 0 printed (all_ranks=True: every rank).
 
     `!torchrun ...` in a notebook ignores a failing exit status, even under nbval, and has no time
     limit; this has both. check=True raises CalledProcessError when the job fails (its stderr is
     printed first); a job still running after `timeout` seconds is killed and raises TimeoutExpired."""
     result = subprocess.run(
-        torchrun_command(script, nproc, *args, all_ranks=all_ranks),
+        torchrun_command(script, nproc, *args, all_ranks=all_ranks, max_restarts=max_restarts),
         cwd=ROOT, env=quiet_env(env), capture_output=True, text=True, timeout=timeout,
     )
     if show:
@@ -411,6 +417,29 @@ def torchrun_script(
         print(result.stderr[-4000:], file=sys.stderr)
         result.check_returncode()
     return result
+
+
+def torchrun_nodes(commands: list[list[str]], timeout: float = 180,
+                   env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Start every command at once (one torchrun per node: they wait for each other at their
+    rendezvous) and return each one's result, in order. If any still runs after `timeout` seconds,
+    all are killed with their ranks (each runs in a session of its own) and TimeoutExpired is raised."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd in commands:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=quiet_env(env), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
 
 
 # --- The same script on forked ranks (the tests' fast path) ---------------------------------------

@@ -1,6 +1,6 @@
 """How processes find each other (chapter 05): fresh rendezvous files, a simulated multi-node
 torchrun job, what a port is listening on, and a worker for mp.spawn. Processes are started by
-ringside.launch (fork_processes, free_port and torchrun_command are imported from there).
+ringside.launch (fork_processes, free_port, torchrun_command and torchrun_nodes come from there).
 
 Everything here is bounded: a process that does not finish in time is killed and reported as such.
 """
@@ -13,12 +13,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from .launch import ROOT, Outcome, fork_processes, free_port, quiet_env, torchrun_command  # noqa: F401
+from .launch import ROOT, Outcome, fork_processes, free_port, torchrun_command, torchrun_nodes  # noqa: F401
 
 WHOAMI = ROOT / "assets" / "05_init_methods" / "whoami.py"
 
@@ -61,25 +60,10 @@ def simulate_nodes(script: Path = WHOAMI, nnodes: int = 2, nproc: int = 2, *args
                    timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Start `nnodes` torchrun processes on this machine as if each were a node; all meet at a
     c10d rendezvous on 127.0.0.1. Returns each node's result; all are killed after `timeout` s."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    run_id = uuid.uuid4().hex[:8]
-    env = quiet_env()
-    procs = [subprocess.Popen(torchrun_command(script, nproc, *args, all_ranks=True, nnodes=nnodes, node_rank=node,
-                                               rdzv_endpoint=endpoint, run_id=run_id),
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in range(nnodes)]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for cmd_procs in procs:
-            out, err = cmd_procs.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(cmd_procs.args, cmd_procs.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    return results
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    return torchrun_nodes([torchrun_command(script, nproc, *args, all_ranks=True, nnodes=nnodes, node_rank=node,
+                                            rdzv_endpoint=endpoint, run_id=run_id)
+                           for node in range(nnodes)], timeout)
 
 
 TABLE_LINE = re.compile(r"^rank \d+ ")

@@ -144,9 +144,9 @@ class Stop(Exception):
     """The learner's call never finished: the group is unusable, so the check stops here."""
 
 
-def run_watched(name: str, fn, *args, ring: bool = False) -> Recorder:
-    """Run one of the learner's functions with its calls recorded; a wait that timed out becomes
-    Stop, with what the calls showed."""
+def run_watched(checks: Checks, name: str, fn, *args, ring: bool = False) -> list[str]:
+    """Run one of the learner's functions with its calls recorded and fail each mistake they show
+    (returned too); a wait that timed out becomes Stop, with what the calls showed."""
     with Recorder(refuse=COLLECTIVES) as calls:
         try:
             fn(*args)
@@ -158,7 +158,15 @@ def run_watched(name: str, fn, *args, ring: bool = False) -> Recorder:
             raise Stop(f"{name} never finished (a send or recv timed out: likely a deadlock) - " + (
                 "; ".join(found) if found else "every send needs a matching recv on the other rank, posted so "
                                                "that neither waits for the other first")) from None
-    return calls
+    mistakes = p2p_mistakes(calls, name, ring)
+    for mistake in mistakes:
+        fail_once(checks, mistake)
+    return mistakes
+
+
+def blank_slots(like: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """One tensor per rank, every value SENTINEL: a slot nobody wrote is easy to tell."""
+    return [torch.full_like(like, SENTINEL) for _ in range(world_size)]
 
 
 def check_broadcast(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
@@ -166,38 +174,36 @@ def check_broadcast(checks: Checks, inputs: list[torch.Tensor], what: str) -> No
     rank = dist.get_rank()
     for src in range(len(inputs)):
         mine, theirs = inputs[rank].clone(), inputs[rank].clone()
-        calls = run_watched("broadcast", broadcast, mine, src)
+        run_watched(checks, "broadcast", broadcast, mine, src)
         dist.broadcast(theirs, src)
-        for mistake in p2p_mistakes(calls, "broadcast"):
-            fail_once(checks, mistake)
         if torch.equal(mine, theirs):
             checks.expect(True, "")
             continue
-        held = who_holds(mine, inputs)
-        if src != 0 and torch.equal(mine, inputs[0]):
-            hint = f"that is rank 0's tensor, but the root is rank {src}: send from (and receive from) `src`, not 0"
-        elif rank != src and torch.equal(mine, inputs[rank]):
-            hint = ("this rank still holds its own tensor: broadcast works in place - receive "
-                    "into `tensor` itself (assigning a new tensor to the name does not change the caller's)")
-        elif rank == src:
-            hint = "the root's own tensor must not change"
-        else:
-            hint = f"receive from rank {src}, the root"
-        checks.fail(f"broadcast from rank {src} of {what}: this rank holds {held}, expected "
-                    f"rank {src}'s tensor: {hint}")
+        checks.fail(f"broadcast from rank {src} of {what}: this rank holds {who_holds(mine, inputs)}, "
+                    f"expected rank {src}'s tensor: {broadcast_hint(mine, inputs, rank, src)}")
+
+
+def broadcast_hint(held: torch.Tensor, inputs: list[torch.Tensor], rank: int, src: int) -> str:
+    """The likely mistake when `rank` holds `held` after a broadcast from `src`."""
+    if src != 0 and torch.equal(held, inputs[0]):
+        return f"that is rank 0's tensor, but the root is rank {src}: send from (and receive from) `src`, not 0"
+    if rank != src and torch.equal(held, inputs[rank]):
+        return ("this rank still holds its own tensor: broadcast works in place - receive "
+                "into `tensor` itself (assigning a new tensor to the name does not change the caller's)")
+    if rank == src:
+        return "the root's own tensor must not change"
+    return f"receive from rank {src}, the root"
 
 
 def check_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
     """Exact equality with dist.gather, to every destination, in the caller's own tensors."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for dst in range(world_size):
-        mine = [torch.full_like(inputs[rank], SENTINEL) for _ in range(world_size)] if rank == dst else None
-        theirs = [torch.full_like(inputs[rank], SENTINEL) for _ in range(world_size)] if rank == dst else None
+        mine = blank_slots(inputs[rank], world_size) if rank == dst else None
+        theirs = blank_slots(inputs[rank], world_size) if rank == dst else None
         slots = list(mine) if mine is not None else None  # the caller's tensors: they must be filled
-        calls = run_watched("gather", gather, inputs[rank].clone(), mine, dst)
+        run_watched(checks, "gather", gather, inputs[rank].clone(), mine, dst)
         dist.gather(inputs[rank].clone(), theirs, dst)
-        for mistake in p2p_mistakes(calls, "gather"):
-            fail_once(checks, mistake)
         if rank != dst:
             checks.expect(True, "")
             continue
@@ -225,13 +231,9 @@ def check_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
 def check_all_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
     """Exact equality with dist.all_gather; and the ring's calls follow the rules."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mine = [torch.full_like(inputs[rank], SENTINEL) for _ in range(world_size)]
-    theirs = [torch.full_like(inputs[rank], SENTINEL) for _ in range(world_size)]
-    calls = run_watched("all_gather", all_gather, mine, inputs[rank].clone(), ring=True)
+    mine, theirs = blank_slots(inputs[rank], world_size), blank_slots(inputs[rank], world_size)
+    mistakes = run_watched(checks, "all_gather", all_gather, mine, inputs[rank].clone(), ring=True)
     dist.all_gather(theirs, inputs[rank].clone())
-    mistakes = p2p_mistakes(calls, "all_gather", ring=True)
-    for mistake in mistakes:
-        fail_once(checks, mistake)
     wrong = [i for i in range(world_size) if not torch.equal(mine[i], theirs[i])]
     if not wrong:
         checks.expect(True, "")

@@ -34,7 +34,7 @@ def launch(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT
     By default the ranks are forked from this process (ringside.launch.fork_script: the same
     environment as torchrun gives, without importing torch again per rank); torchrun=True uses the
     real torchrun."""
-    from ringside.launch import fork_script, quiet_env, torchrun_command
+    from ringside.launch import fork_script, torchrun_script
 
     if Path(script).stem == "11_capstone" and "--out" not in args:
         # The capstone resumes from whatever checkpoint its --out folder holds, and tests run side
@@ -43,8 +43,8 @@ def launch(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT
     try:
         if not torchrun:
             return fork_script(script, nproc, *args, timeout=timeout, env=env)
-        return subprocess.run(torchrun_command(script, nproc, *args, all_ranks=True), cwd=ROOT,
-                              env=quiet_env(env), capture_output=True, text=True, timeout=timeout)
+        return torchrun_script(script, nproc, *args, all_ranks=True, env=env, check=False, show=False,
+                               timeout=timeout)
     except subprocess.TimeoutExpired as expired:
         output = expired.output.decode(errors="replace") if isinstance(expired.output, bytes) else expired.output
         pytest.fail(f"{script} on {nproc} ranks still running after {timeout} s (a hang?):\n{(output or '')[-3000:]}")

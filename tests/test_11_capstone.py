@@ -20,7 +20,7 @@ from conftest import LAUNCH_TIMEOUT, ROOT, launch
 from torch import nn
 
 from ringside import run_ranks
-from ringside.launch import quiet_env, torchrun_command
+from ringside.launch import torchrun_script
 from ringside.syncbn import convert_sync_batchnorm
 
 pytestmark = pytest.mark.slow(3)  # real torchrun jobs, killed and resumed
@@ -75,11 +75,9 @@ def test_converter_picks_native_syncbn_for_nccl():
 
 
 def capstone(out: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
-    cmd = torchrun_command(SCRIPT, 2, "--out", str(out), *QUICK, *args, all_ranks=True)
-    cmd.insert(cmd.index("--standalone") + 1, f"--max-restarts={restarts}")
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=quiet_env(), capture_output=True, text=True,
-                              timeout=LAUNCH_TIMEOUT)
+        return torchrun_script(SCRIPT, 2, "--out", str(out), *QUICK, *args, all_ranks=True, max_restarts=restarts,
+                               check=False, show=False, timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"the capstone still ran after {LAUNCH_TIMEOUT} s (a hang?): {expired.stdout!r}")
 

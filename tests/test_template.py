@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ import torch
 from conftest import LAUNCH_TIMEOUT, ROOT
 from torch import nn
 
+from ringside.launch import quiet_env, torchrun_command, torchrun_script
 from tools import cluster
 
 pytestmark = pytest.mark.slow(3)  # real torchrun jobs, killed and resumed
@@ -31,20 +29,11 @@ TINY = ["--epochs", "2", "--log-every", "1000", "--checkpoint-every", "10"]
 STEPS = 88  # at 2 processes: 2 epochs of 44 steps of 2 x 16 images (1,437 training images)
 
 
-def torchrun_cmd(out: Path, nproc: int, *args: str, restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={restarts}", str(SCRIPT), "--out", str(out), *TINY, *map(str, args)]
-
-
-def job_env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 def train(out: Path, nproc: int, *args: str, restarts: int = 0) -> tuple[dict, str]:
     """Run the template to its end; return (OUT/result.json, everything it printed)."""
     try:
-        done = subprocess.run(torchrun_cmd(out, nproc, *args, restarts=restarts), cwd=ROOT, env=job_env(),
-                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+        done = torchrun_script(SCRIPT, nproc, "--out", str(out), *TINY, *map(str, args), all_ranks=True,
+                               max_restarts=restarts, check=False, show=False, timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"the template on {nproc} processes still ran after {LAUNCH_TIMEOUT} s (a hang?): "
                     f"{expired.stdout!r}")
@@ -97,8 +86,10 @@ def test_sigterm_saves_and_a_killed_rank_resumes_bit_for_bit(tmp_path):
     # SIGTERM to torchrun (as Slurm does before a time limit): it passes it on to every process,
     # which saves a checkpoint at the next step boundary and exits cleanly.
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(torchrun_cmd(out, 2, *args, "--workers", "1", "--log-every", "1"), cwd=ROOT,
-                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = torchrun_command(SCRIPT, 2, "--out", str(out), *TINY, *args, "--workers", "1", "--log-every", "1",
+                               all_ranks=True)
+    proc = subprocess.Popen(command, cwd=ROOT, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     lines = []
     try:
         for line in proc.stdout:
@@ -167,33 +158,14 @@ def test_pretrained_strips_only_a_leading_module_prefix(tmp_path):
 # --- Two hosts (network namespaces), c10d rendezvous, a killed rank -------------------------------
 
 
-def c10d_job(out: Path, *args: str, hosts: int = 2, nproc: int = 2, timeout: float = LAUNCH_TIMEOUT):
+def c10d_job(out: Path, *args: str, hosts: int = 2, nproc: int = 2) -> tuple[list[int], list[str]]:
     """The same torchrun command on every host, c10d rendezvous at host 0, one restart allowed."""
-    env = dict(job_env(), GLOO_SOCKET_IFNAME="eth0")  # gloo talks over the hosts' own links
-    procs = []
     try:
-        for i in range(hosts):
-            cmd = ["ip", "netns", "exec", cluster.host(i), sys.executable, "-m", "torch.distributed.run",
-                   f"--nnodes={hosts}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint={cluster.address(0)}:{cluster.PORT}", "--rdzv-id=template",
-                   # every namespace has the machine's host name: say which host serves the
-                   # rendezvous and which address each host has
-                   f"--rdzv-conf=is_host={'true' if i == 0 else 'false'}", f"--local-addr={cluster.address(i)}",
-                   "--max-restarts=1", str(SCRIPT), "--out", str(out), *TINY, *map(str, args)]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True))
-        deadline, logs = time.monotonic() + timeout, []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the job on {hosts} hosts still ran after {timeout} s (a hang?)")
-        return [p.returncode for p in procs], logs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+        done = cluster.run_job(SCRIPT, hosts, "--out", str(out), *TINY, *map(str, args), nproc_per_host=nproc,
+                               c10d=True, max_restarts=1, timeout=LAUNCH_TIMEOUT)
+    except cluster.ClusterError as error:
+        pytest.fail(f"{error} (a hang?)")
+    return [d.returncode for d in done], [d.stdout + d.stderr for d in done]
 
 
 def test_two_hosts_a_killed_rank_restarts_everywhere_and_resumes_bit_for_bit(tmp_path, four_processes):

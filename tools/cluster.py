@@ -22,11 +22,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ringside import ring
-from ringside.launch import ROOT, torchrun_command
+from ringside.launch import ROOT, torchrun_command, torchrun_nodes
 
 PREFIX = "rs-"  # every namespace this module makes starts with it, and `down` removes only those
 SWITCH = "rs-sw"
@@ -157,45 +156,36 @@ def _add_host(i: int, rate: str) -> None:
     _run("ip", "netns", "exec", SWITCH, "tc", "qdisc", "add", "dev", port, *shape)
 
 
-@dataclass
-class HostResult:
-    host: int
-    returncode: int
-    stdout: str
-    stderr: str
+def node_command(i: int, script: str | Path, hosts: int, nproc_per_host: int, *args: str, c10d: bool = False,
+                 max_restarts: int = 0) -> list[str]:
+    """Host i's part of a job: torchrun inside its namespace, node rank i, the rendezvous at host 0.
+    Static (--master-addr) by default; c10d=True for an elastic job that can restart its ranks."""
+    at = f"{address(0)}:{PORT}"
+    if c10d:  # every namespace has the machine's host name: say which host serves the rendezvous
+        rendezvous = dict(rdzv_endpoint=at, run_id="cluster", options=(
+            f"--rdzv-conf=is_host={'true' if i == 0 else 'false'}", f"--local-addr={address(i)}"))
+    else:
+        rendezvous = dict(master=at)
+    return ["ip", "netns", "exec", host(i), *torchrun_command(
+        script, nproc_per_host, *args, all_ranks=True, nnodes=hosts, node_rank=i, max_restarts=max_restarts,
+        **rendezvous)]
 
 
 def run_job(script: str | Path, hosts: int, *args: str, nproc_per_host: int = 1, timeout: float = 180,
-            env: dict[str, str] | None = None) -> list[HostResult]:
-    """Run `script` as one multi-node job: one torchrun per host, node_rank = host number,
-    rendezvous at host 0's address. Every process is killed if the job outlasts `timeout`."""
+            env: dict[str, str] | None = None, c10d: bool = False,
+            max_restarts: int = 0) -> list[subprocess.CompletedProcess]:
+    """Run `script` as one multi-node job, one torchrun per host (ringside.launch.torchrun_nodes);
+    each host's result, in host order. Every process is killed if the job outlasts `timeout`."""
     present = set(namespaces())
     missing = [host(i) for i in range(hosts) if host(i) not in present]
     if missing:
         raise ClusterError(f"no cluster host {', '.join(missing)}: run `make cluster N={hosts}` first")
-    base_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                    GLOO_SOCKET_IFNAME="eth0", **(env or {}))  # gloo must talk over the shaped link
-    procs = []
-    try:
-        for i in range(hosts):
-            cmd = ["ip", "netns", "exec", host(i), *torchrun_command(
-                script, nproc_per_host, *args, all_ranks=True, nnodes=hosts, node_rank=i, master=f"{address(0)}:{PORT}")]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=base_env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        results = []
-        for i, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise ClusterError(f"the job on {hosts} hosts was still running after {timeout:g} s and was killed")
-            results.append(HostResult(i, p.returncode, out, err))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+    commands = [node_command(i, script, hosts, nproc_per_host, *args, c10d=c10d, max_restarts=max_restarts)
+                for i in range(hosts)]
+    try:  # gloo must talk over the shaped link
+        return torchrun_nodes(commands, timeout, env={"GLOO_SOCKET_IFNAME": "eth0", **(env or {})})
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"the job on {hosts} hosts was still running after {timeout:g} s and was killed") from None
 
 
 def bench(rate: str, sizes_mib: str, host_counts: tuple[int, ...] = (2, 4)) -> int:
@@ -211,10 +201,10 @@ def bench(rate: str, sizes_mib: str, host_counts: tuple[int, ...] = (2, 4)) -> i
                               "--out", str(ring.cluster_results_path(hosts)), timeout=540)
         finally:
             down()
-        for r in results:
+        for i, r in enumerate(results):
             print(r.stdout, end="")
             if r.returncode != 0:
-                print(f"host {r.host} failed:\n{r.stderr[-2000:]}", file=sys.stderr)
+                print(f"host {i} failed:\n{r.stderr[-2000:]}", file=sys.stderr)
                 return 1
     ring.plot_cluster(ring.load_cluster_results(), ring.CLUSTER_DIR / "allreduce.png")
     print(f"wrote {ring.CLUSTER_DIR.relative_to(ROOT)}/")
@@ -260,11 +250,11 @@ def main(argv: list[str]) -> int:
             print("\n".join(namespaces()) or "no cluster")
         else:
             failed = False
-            for r in run_job(opts.script, opts.hosts, *opts.args, timeout=opts.timeout):
+            for i, r in enumerate(run_job(opts.script, opts.hosts, *opts.args, timeout=opts.timeout)):
                 print(r.stdout, end="")
                 if r.returncode != 0:
                     failed = True
-                    print(f"host {r.host} failed (exit {r.returncode}):\n{r.stderr[-2000:]}", file=sys.stderr)
+                    print(f"host {i} failed (exit {r.returncode}):\n{r.stderr[-2000:]}", file=sys.stderr)
             return 1 if failed else 0
     except ClusterError as error:
         print(f"cluster: {error}", file=sys.stderr)

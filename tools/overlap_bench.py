@@ -264,10 +264,10 @@ def main(argv: list[str]) -> int:
     except cluster.ClusterError as error:
         print(f"overlap bench: {error}", file=sys.stderr)
         return 1
-    for r in results:
+    for i, r in enumerate(results):
         print(r.stdout, end="")
         if r.returncode != 0:
-            print(f"host {r.host} failed (exit {r.returncode}):\n{r.stderr[-2000:]}", file=sys.stderr)
+            print(f"host {i} failed (exit {r.returncode}):\n{r.stderr[-2000:]}", file=sys.stderr)
             return 1
     return 0
 

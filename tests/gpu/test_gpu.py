@@ -23,7 +23,7 @@ import torch
 from conftest import ROOT, solutions
 from mutation import nprocs
 
-from ringside.launch import quiet_env, torchrun_command
+from ringside.launch import quiet_env, torchrun_script
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -32,9 +32,8 @@ TIMEOUT = 300
 
 
 def torchrun(script: Path, nproc: int, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
-    cmd = torchrun_command(script, nproc, *args, all_ranks=True)
-    cmd.insert(cmd.index("--standalone") + 1, f"--max-restarts={restarts}")
-    return subprocess.run(cmd, cwd=ROOT, env=quiet_env(NCCL), capture_output=True, text=True, timeout=TIMEOUT)
+    return torchrun_script(script, nproc, *args, all_ranks=True, max_restarts=restarts, env=NCCL, check=False,
+                           show=False, timeout=TIMEOUT)
 
 
 def rank_counts(stem: str) -> list[int]:
