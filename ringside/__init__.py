@@ -5,10 +5,14 @@ Each module says in its docstring which chapter explains what it does.
 - runtime:    join a process group (backend and device chosen for you), print from rank 0 or in
               rank order, and exit cleanly (`finish`).                          chapters 00, 05
 - launch:     the one way the course starts processes: `run_ranks` (ranks from a notebook cell),
-              `fork_processes`, `torchrun_script`, `fork_script`, `torchrun_command`.   chapter 00
+              `fork_processes`, `torchrun_script`, `torchrun_nodes`, `fork_script`, and
+              `torchrun_command` under all the torchrun ones.                  chapter 00
+- __main__:   `python -m ringside NPROC SCRIPT`, what `make lab` runs: torchrun with the lab's
+              verdict as the last word on screen.                               every lab
 - lab:        the labs' self-check (`run_lab`, `Checks`).                       every lab
 - compare:    tensors compared with a stated tolerance, and a one-line reason when they differ.
-- calls:      a rank's point-to-point calls recorded, for the checks of labs 02 and 03.
+- calls:      a rank's point-to-point calls recorded or rehearsed with nothing sent (`DryRun`),
+              for the checks of labs 02-04; `refused` keeps a block off the collectives.  labs
 - data:       data sets that need no download (scikit-learn's digits, a seeded regression).
 - ring:       the ring all-reduce's schedule, pictures, cost model and measured results. chapter 04
 - rendezvous: fresh rendezvous files, a simulated two-node job, listening sockets.  chapter 05

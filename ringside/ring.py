@@ -24,10 +24,8 @@ import torch.distributed as dist
 
 from .launch import ROOT
 
-BENCH_DIR = ROOT / "assets" / "bench"
-BENCH_JSON = BENCH_DIR / "allreduce.json"
-BENCH_PNG = BENCH_DIR / "allreduce.png"
-CLUSTER_DIR = ROOT / "assets" / "cluster"
+BENCH_JSON = ROOT / "assets" / "bench" / "allreduce.json"  # written by `make bench` (tools/bench.py)
+CLUSTER_DIR = ROOT / "assets" / "cluster"  # written by `make cluster-bench` and `make cluster-overlap`
 MiB = 1024 * 1024
 
 SCATTER_REDUCE, ALL_GATHER = "scatter-reduce", "all-gather"
@@ -246,12 +244,6 @@ def predict(method: str, n: int, size: float, alpha: float, beta: float) -> floa
     return messages * alpha + nbytes * beta
 
 
-def bus_bandwidth(n: int, size: float, seconds: float) -> float:
-    """Bytes per second on each rank's link, comparable across rank counts (nccl-tests' busbw):
-    (S / t) * 2(N-1)/N."""
-    return size / seconds * 2 * (n - 1) / n
-
-
 def load_bench(path: Path = BENCH_JSON) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -265,10 +257,6 @@ def human_bytes(size: float) -> str:
 
 
 # --- The namespace cluster's results (`make cluster-bench` writes them; no root needed to read) ---
-
-
-def cluster_results_path(hosts: int) -> Path:
-    return CLUSTER_DIR / f"allreduce_{hosts}hosts.json"
 
 
 def load_cluster_results() -> dict[int, dict]:

@@ -25,12 +25,19 @@ import torch
 import torch.distributed as dist
 
 from ringside import run_ranks
-from ringside.ring import BENCH_DIR, BENCH_JSON, BENCH_PNG, METHODS, ROOT, bus_bandwidth, human_bytes, naive_all_reduce
+from ringside.ring import BENCH_JSON, METHODS, ROOT, human_bytes, naive_all_reduce
 
+BENCH_DIR, BENCH_PNG = BENCH_JSON.parent, BENCH_JSON.with_suffix(".png")
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB * 4**k for k in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 WORLD_SIZES = (2, 4)
 SOLUTION = ROOT / "solutions" / "04_ring_allreduce.py"
+
+
+def bus_bandwidth(n: int, size: float, seconds: float) -> float:
+    """Bytes per second on each rank's link, comparable across rank counts (nccl-tests' busbw):
+    (S / t) * 2(N-1)/N."""
+    return size / seconds * 2 * (n - 1) / n
 
 
 def load_ring():

@@ -198,7 +198,7 @@ def bench(rate: str, sizes_mib: str, host_counts: tuple[int, ...] = (2, 4)) -> i
         try:
             print(f"-- {hosts} hosts, {rate} links")
             results = run_job(Path(cluster_bench.__file__), hosts, "--sizes-mib", sizes_mib, "--rate", rate,
-                              "--out", str(ring.cluster_results_path(hosts)), timeout=540)
+                              "--out", str(ring.CLUSTER_DIR / f"allreduce_{hosts}hosts.json"), timeout=540)
         finally:
             down()
         for i, r in enumerate(results):
