@@ -10,6 +10,10 @@ SAMPLER = "    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)\n"
 LOADER = "    return DataLoader(dataset, batch_size=BATCH_PER_RANK, sampler=sampler)\n"
 
 DDP_LINE = '    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)\n'
+INIT = "    dist.init_process_group(backend, timeout=timedelta(seconds=30))\n"
+DEVICE = '    return device_for(device_type, int(os.environ["LOCAL_RANK"]))\n'
+SET_EPOCH = "        loader.sampler.set_epoch(epoch)\n"
+PRINT = '        if dist.get_rank() == 0:\n            print(f"epoch {epoch}: loss {total / batches:.4f}")\n'
 _span = SOLUTION[SOLUTION.index(LOADER):SOLUTION.index(DDP_LINE) + len(DDP_LINE)]
 WORKERS_AND_NO_DDP = (_span, _span.replace("sampler=sampler)", "sampler=sampler, num_workers=2)")
                       .replace(DDP_LINE, "    return model\n"))
@@ -55,4 +59,42 @@ MUTATIONS = [
              "take the device type from pick_backend()", 2),
     Mutation("forgot to join the group", "    dist.init_process_group(backend, timeout=timedelta(seconds=30))\n",
              "", "call dist.init_process_group", 2),
+    # Found by trying what learners write (each was passed, misnamed, a raw crash or a gloo abort before).
+    Mutation("no timeout for the group", INIT, "    dist.init_process_group(backend)\n",
+             "PyTorch's default timeout", 2),
+    Mutation("the chapter's NCCL snippet on a CPU machine", INIT + DEVICE,
+             '    local_rank = int(os.environ["LOCAL_RANK"])\n    torch.cuda.set_device(local_rank)\n'
+             '    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))\n'
+             '    return torch.device("cuda", local_rank)\n',
+             "take the backend and device type from pick_backend()", 2),
+    Mutation("setup() returns ringside's Rank", INIT + DEVICE,
+             "    from ringside import init_distributed\n    return init_distributed()\n",
+             "setup() returned a Rank, not a torch.device", 2),
+    Mutation("setup() returns the device type string", DEVICE, "    return device_type\n",
+             "setup() returned 'cpu', not a torch.device", 2),
+    Mutation("a CPU device numbered by rank", DEVICE,
+             '    return torch.device(device_type, int(os.environ["LOCAL_RANK"]))\n',
+             "a CPU has no index", 2),
+    Mutation("data split by hand", SAMPLER + LOADER,
+             "    rank, world_size = dist.get_rank(), dist.get_world_size()\n"
+             "    shard = torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))\n"
+             "    return DataLoader(shard, batch_size=BATCH_PER_RANK, shuffle=True)\n",
+             "a split by hand", 2),
+    Mutation("device_ids on a CPU model", DDP_LINE,
+             '    return DDP(model, device_ids=[int(os.environ["LOCAL_RANK"])])\n',
+             "on the CPU leave them out (device_ids=None)", 2),
+    Mutation("set_epoch on rank 0 only", SET_EPOCH,
+             "        if dist.get_rank() == 0:\n            loader.sampler.set_epoch(epoch)\n",
+             "set_epoch(epoch) on every rank", 4),
+    Mutation("loss averaged on rank 0 only (a collective on one rank)", PRINT,
+             '        if dist.get_rank() == 0:\n            mean = torch.tensor([total / batches])\n'
+             '            dist.all_reduce(mean)\n'
+             '            print(f"epoch {epoch}: loss {mean.item() / dist.get_world_size():.4f}")\n',
+             "a collective that only some ranks call", 4),
+    Mutation("an error on rank 0 only (the others must not wait for the timeout)", PRINT,
+             '        if dist.get_rank() == 0:\n            print(f"epoch {epoch}: loss {total / batch:.4f}")\n',
+             "fix the error of rank 0 first", 2),
+    Mutation("rank 0's print condition never holds", PRINT,
+             '        if device.index == 0:\n            print(f"epoch {epoch}: loss {total / batches:.4f}")\n',
+             "the print's condition must hold on rank 0", 2),
 ]
