@@ -81,7 +81,7 @@ def seed_worker(worker_id: int) -> None:
     worker holds the same `dataset.rng`. Torch itself seeds each worker with base seed + worker_id
     (`torch.initial_seed()` in the worker); derive every other generator from that number."""
     # (stuck? `make hint CH=08` prints hint 1 of 2; run it again for the next)
-    # TODO: make this worker's augmentations its own (no two workers of any rank alike) and reproducible: reseed Python's random, NumPy's global generator and the dataset copy's rng from the seed torch gave the worker
+    # TODO: make this worker's augmentations its own (no two workers of any rank or epoch alike) and reproducible: reseed Python's random, NumPy's global generator and the dataset copy's rng from the seed torch gave the worker
     raise NotImplementedError("the TODO above")
 
 
@@ -90,12 +90,13 @@ def make_loader(dataset: Dataset, seed: int, rank: int, world_size: int, batch_s
     """This rank's shard of `dataset`, shuffled alike on every rank (the sampler's seed is shared),
     loaded by `workers` processes whose seeds come from a generator seeded with seed + rank."""
     # (stuck? `make hint CH=08` prints hint 1 of 2; run it again for the next)
-    # TODO: return this rank's DataLoader: shards that together cover the data set once, `workers` worker processes seeded by seed_worker, worker seeds that differ between ranks and repeat on a rerun
+    # TODO: return this rank's DataLoader: shards that together cover the data set once, in an order the seed decides, `workers` worker processes seeded by seed_worker, worker seeds that differ between ranks and repeat on a rerun, and this rank's global random streams untouched
     raise NotImplementedError("the TODO above")
 
 
 def one_run(rank: int, world_size: int, device: torch.device) -> dict:
-    """A whole small job from the seed: weights, dropout masks, one epoch of DDP training."""
+    """A whole small job from the seed: weights, dropout masks, one epoch of DDP training, and the
+    augmentations of the next epoch."""
     seed_everything(SEED, rank)
     model = build_model(SEED, device)
     initial = flat_params(model)
@@ -103,9 +104,9 @@ def one_run(rank: int, world_size: int, device: torch.device) -> dict:
     ddp = DDP(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     loader = make_loader(JitteredImages(), SEED, rank, world_size)
-    loader.sampler.set_epoch(0)
+    start_epoch(loader, 0)
     draws, workers, worker_seeds, indices = [], [], [], []
-    for images, labels, draw, worker, worker_seed, index in loader:
+    for images, labels, draw, worker, worker_seed, index in batches(loader):
         optimizer.zero_grad()
         nn.functional.cross_entropy(ddp(images.to(device)), labels.to(device)).backward()
         optimizer.step()
@@ -113,8 +114,38 @@ def one_run(rank: int, world_size: int, device: torch.device) -> dict:
         workers.append(worker)
         worker_seeds.append(worker_seed)
         indices.append(index)
+    start_epoch(loader, 1)
+    next_draws = [draw for _, _, draw, *_ in batches(loader)]  # epoch 1's augmentations (no training)
     return {"initial": initial, "mask": mask.cpu(), "final": flat_params(model), "draws": torch.cat(draws),
-            "workers": torch.cat(workers), "worker_seeds": torch.cat(worker_seeds), "indices": torch.cat(indices)}
+            "workers": torch.cat(workers), "worker_seeds": torch.cat(worker_seeds), "indices": torch.cat(indices),
+            "next_draws": torch.cat(next_draws)}
+
+
+def start_epoch(loader: DataLoader, epoch: int) -> None:
+    """Reshuffle the shards for `epoch` (chapter 06). A loader without a DistributedSampler has no
+    set_epoch: check_shards names that mistake rather than a crash here."""
+    if hasattr(loader.sampler, "set_epoch"):
+        loader.sampler.set_epoch(epoch)
+
+
+def batches(loader: DataLoader):
+    """The loader's batches. An error in a worker reaches this process as a long traceback in a
+    message; when seed_worker raised it, one line says so and what the worker's error was."""
+    try:
+        yield from loader
+    except Exception as error:
+        if "in seed_worker" not in str(error):
+            raise
+        raise RuntimeError(seed_worker_failure(str(error))) from None
+
+
+def seed_worker_failure(message: str) -> str:
+    """The diagnosis for a worker whose seed_worker raised; `message` ends with the worker's error."""
+    cause = message.strip().splitlines()[-1]
+    if "2**32" in cause:  # np.random.seed (or RandomState) given torch's 64-bit worker seed
+        return (f"seed_worker raised in a DataLoader worker ({cause}): torch's worker seed has 64 bits, "
+                f"NumPy's legacy seeding takes 32 - seed with torch.initial_seed() % 2**32")
+    return f"seed_worker raised in a DataLoader worker: {cause} (the worker's traceback is printed above)"
 
 
 # --- The checks -----------------------------------------------------------------------------------
@@ -132,7 +163,11 @@ def check_seed_everything(checks: Checks, rank: int, device: torch.device) -> No
     if device.type != "cpu":
         expected[f"torch on {device.type}"] = torch.rand(
             4, device=device, generator=torch.Generator(device=device).manual_seed(want)).tolist()
-    shared = {"random": random.Random(SEED).random(), "np.random": float(np.random.RandomState(SEED).random_sample())}
+    shared = {"random": random.Random(SEED).random(), "np.random": float(np.random.RandomState(SEED).random_sample()),
+              "torch": torch.rand(4, generator=torch.Generator().manual_seed(SEED)).tolist()}
+    if device.type != "cpu":
+        shared[f"torch on {device.type}"] = torch.rand(
+            4, device=device, generator=torch.Generator(device=device).manual_seed(SEED)).tolist()
     checks.expect(got == want, f"seed_everything returned {got}, expected seed + rank = {want}")
     for name in expected:
         if draws[name] == expected[name]:
@@ -147,22 +182,118 @@ def check_seed_everything(checks: Checks, rank: int, device: torch.device) -> No
                         f"seeded (or seeded with something else) - call {call} in seed_everything")
 
 
-def check_streams_kept(checks: Checks, rank: int, device: torch.device) -> None:
-    """build_model must leave this rank's streams where they were: on the CPU and on its device."""
+def rng_states(device: torch.device) -> dict:
+    """Every global generator this rank draws from, each as a value that == compares."""
+    states = {"cpu": torch.get_rng_state().numpy().tobytes(), "random": random.getstate(),
+              "np.random": numpy_state(np.random.get_state())}
+    if device.type == "cuda":
+        states[str(device)] = torch.cuda.get_rng_state(device).numpy().tobytes()
+    return states
+
+
+def numpy_state(state: tuple) -> tuple:
+    """np.random.get_state() with its key array as bytes, so that == compares the values."""
+    return (state[0], state[1].tobytes(), *state[2:])
+
+
+def restarted_states(seed: int) -> dict:
+    """What the CPU-side generators hold right after being seeded with `seed`."""
+    return {"cpu": torch.Generator().manual_seed(seed).get_state().numpy().tobytes(),
+            "random": random.Random(seed).getstate(), "np.random": numpy_state(np.random.RandomState(seed).get_state())}
+
+
+def cpu_state_after_net(cpu_state: bytes) -> bytes:
+    """Where building a Net leaves the CPU stream that held `cpu_state`: Net() draws its weights from it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(torch.frombuffer(bytearray(cpu_state), dtype=torch.uint8))
+        Net()
+        return torch.get_rng_state().numpy().tobytes()
+
+
+def draw_a_little(device: torch.device) -> None:
+    """Move every stream on, as a job does before it builds its model: a stream that is restarted from
+    seed + rank then no longer passes for one that was kept."""
+    random.random(), np.random.random(), torch.rand(3)
+    if device.type == "cuda":
+        torch.rand(3, device=device)
+
+
+def check_streams_kept(checks: Checks, rank: int, device: torch.device) -> bool:
+    """build_model must leave this rank's streams where they were: Python's, NumPy's, the CPU's and its
+    GPU's. False when build_model cannot run on this device at all (the later checks would repeat that)."""
     seed_everything(SEED, rank)
-    expected = {"cpu": torch.rand(4)}
-    if device.type != "cpu":
-        expected[str(device)] = torch.rand(4, device=device).cpu()
+    draw_a_little(device)
+    before = rng_states(device)
+    try:
+        build_model(SEED, device)
+    except Exception as error:
+        if device.type != "cpu" or not any(word in str(error).lower() for word in ("cuda", "nvidia")):
+            raise
+        checks.fail(f"build_model reached for a GPU on a CPU-only rank ({str(error).split('.')[0]}): "
+                    f"fork_rng's devices list takes GPUs only - devices=[device] if device.type == 'cuda' "
+                    f"else [], and the Net goes to `device` as given")
+        return False
+    after = rng_states(device)
+    moved = [name for name in before if after[name] != before[name]]
+    checks.expect(not moved, streams_moved_diagnosis(moved, before, after, SEED + rank))
+    return True
+
+
+STREAM_NAMES = {"cpu": "torch", "random": "Python random", "np.random": "NumPy"}
+
+
+def streams(names: list[str]) -> str:
+    """["cpu", "np.random"] -> "torch and NumPy streams": the streams as a learner calls them."""
+    said = [STREAM_NAMES.get(name, f"torch on {name}") for name in names]
+    return (", ".join(said[:-1]) + " and " + said[-1] if len(said) > 1 else said[0]) + \
+        (" streams" if len(said) > 1 else " stream")
+
+
+def streams_moved_diagnosis(moved: list[str], before: dict, after: dict, rank_seed: int) -> str:
+    """Why build_model moved the streams `moved`, told from where they ended up."""
+    restart = restarted_states(rank_seed)
+    cpu_side = [name for name in moved if name in restart]
+    if "cpu" in moved and all(after[name] == restart[name] for name in cpu_side):
+        return (f"build_model reseeded this rank's {streams(cpu_side)} with seed + rank: a restart, and "
+                f"every number drawn since seed_everything comes again - build the model inside "
+                f"torch.random.fork_rng, which saves the streams and puts them back as they were")
+    others = [name for name in moved if name in ("random", "np.random")]
+    if others:
+        return (f"build_model changed this rank's {streams(others)}, which fork_rng does not save and restore "
+                f"(it keeps torch's generators only): seed only torch inside it, torch.manual_seed(seed)")
+    if moved == ["cpu"] and after["cpu"] == cpu_state_after_net(before["cpu"]):
+        return ("build_model drew the Net's initial weights from this rank's own stream: create the Net inside "
+                "the fork_rng block, after torch.manual_seed(seed), not after the block ends")
+    return (f"build_model changed this rank's random stream on {', '.join(moved)}: its dropout masks would "
+            f"then follow the shared seed - seed inside torch.random.fork_rng, and give it every device the "
+            f"rank draws from (an empty devices list restores only the CPU's generator, while "
+            f"torch.manual_seed also seeds every GPU)")
+
+
+def check_loader_keeps_streams(checks: Checks, rank: int, world_size: int, device: torch.device) -> None:
+    """Making the loader must not touch the global streams: its generator is a new one of its own."""
     seed_everything(SEED, rank)
-    build_model(SEED, device)
-    got = {"cpu": torch.rand(4)}
-    if device.type != "cpu":
-        got[str(device)] = torch.rand(4, device=device).cpu()
-    moved = [name for name in expected if not torch.equal(got[name], expected[name])]
-    checks.expect(not moved, f"build_model changed this rank's random stream on {', '.join(moved)}: its dropout "
-                             f"masks would then follow the shared seed - seed inside torch.random.fork_rng, and "
-                             f"give it every device the rank draws from (an empty devices list restores only "
-                             f"the CPU's generator, while torch.manual_seed also seeds every GPU)")
+    draw_a_little(device)
+    before = rng_states(device)
+    make_loader(JitteredImages(), SEED, rank, world_size)
+    after = rng_states(device)
+    moved = [name for name in before if after[name] != before[name]]
+    if not moved:
+        checks.expect(True, "")
+    elif "cpu" in moved and after["cpu"] == restarted_states(SEED + rank)["cpu"]:
+        checks.fail("make_loader reseeded this rank's global torch generator: torch.manual_seed returns that "
+                    "global generator, not a new one - give the DataLoader torch.Generator().manual_seed(seed + rank)")
+    else:
+        checks.fail(f"make_loader changed this rank's global {streams(moved)}: the DataLoader needs a generator "
+                    f"of its own, torch.Generator().manual_seed(seed + rank)")
+
+
+def check_order_follows_seed(checks: Checks, rank: int, world_size: int) -> None:
+    """Another seed must shuffle the data otherwise: the sampler's shuffle is part of what the seed fixes."""
+    orders = [list(make_loader(JitteredImages(), seed, rank, world_size).sampler) for seed in (SEED, SEED + 1)]
+    checks.expect(orders[0] != orders[1], "the order of the samples ignores the seed (seed + 1 gives this rank "
+                                          "the same shard in the same order): DistributedSampler shuffles with "
+                                          "its own seed 0 unless told - give it shuffle=True and seed=seed")
 
 
 def check_weights_equal(checks: Checks, run: dict, rank: int) -> None:
@@ -185,22 +316,28 @@ def check_shards(checks: Checks, run: dict, size: int) -> None:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, run["indices"].tolist())
     covered = set().union(*map(set, every))
+    if all(len(set(indices)) == size for indices in every):
+        checks.fail(f"every rank read all {size} samples: the DataLoader needs a DistributedSampler (num_replicas="
+                    f"world_size, rank=rank), which hands each rank its own shard")
+        return
     checks.expect(len(covered) == size,
                   f"the ranks together read {len(covered)} of the {size} samples (their shards overlap): "
                   f"DistributedSampler's seed must be the same on every rank (seed, not seed + rank), so that "
                   f"all ranks cut one shared permutation - only the loader's generator takes the rank")
 
 
-def check_draws_differ(checks: Checks, run: dict, rank: int) -> None:
+def check_draws_differ(checks: Checks, run: dict, rank: int) -> bool:
+    """No two workers of any rank may draw alike. False when they do (the epoch check would only echo it)."""
     draws, workers = run["draws"], run["workers"]
     by_worker = {int(w): set(draws[workers == w].tolist()) for w in workers.unique()}
-    if len(by_worker) > 1:
-        shared = set.intersection(*by_worker.values())
-        checks.expect(not shared, f"its DataLoader workers drew the same augmentations ({len(shared)} equal "
-                                  f"draws): every worker copied dataset.rng - reseed it in seed_worker "
-                                  f"(worker_init_fn) from torch.initial_seed()")
-    else:
+    if len(by_worker) == 1:  # every rank's main process drew from the same dataset.rng: nothing more to learn
         checks.fail("all batches came from one worker: make_loader must use num_workers=workers")
+        dist.all_gather_object([None] * dist.get_world_size(), None)  # in step with a rank that gathers below
+        return False
+    shared = set.intersection(*by_worker.values())
+    checks.expect(not shared, f"its DataLoader workers drew the same augmentations ({len(shared)} equal "
+                              f"draws): every worker copied dataset.rng - reseed it in seed_worker "
+                              f"(worker_init_fn) from torch.initial_seed()")
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (sorted(draws.tolist()), sorted(set(run["worker_seeds"].tolist()))))
     mine, my_seeds = set(every[rank][0]), set(every[rank][1])
@@ -215,6 +352,15 @@ def check_draws_differ(checks: Checks, run: dict, rank: int) -> None:
         checks.fail(f"drew the same augmentations as rank(s) {clash}, although torch gave every worker of every "
                     f"rank its own seed: seed_worker must derive the new seeds from torch.initial_seed(), not "
                     f"from worker_id (the same on every rank) or a constant")
+    return not shared and not clash
+
+
+def check_epochs_differ(checks: Checks, run: dict) -> None:
+    """Every epoch must draw new augmentations: the loader gives its workers new seeds every epoch."""
+    repeated = set(run["draws"].tolist()) & set(run["next_draws"].tolist())
+    checks.expect(not repeated, f"epoch 1 drew the same augmentations as epoch 0 ({len(repeated)} equal draws): "
+                                f"seed_worker's seeds stay the same from epoch to epoch - derive them from "
+                                f"torch.initial_seed(), which the loader draws anew every epoch")
 
 
 def check_rerun(checks: Checks, first: dict, second: dict, rank: int) -> None:
@@ -232,16 +378,21 @@ def check_ddp_in_sync(checks: Checks, run: dict) -> None:
 
 def main(me: Rank, checks: Checks) -> None:
     check_seed_everything(checks, me.rank, me.device)
-    check_streams_kept(checks, me.rank, me.device)
+    if not check_streams_kept(checks, me.rank, me.device):
+        return  # build_model cannot run on this device: every later check would only repeat that
+    check_loader_keeps_streams(checks, me.rank, me.world_size, me.device)
+    check_order_follows_seed(checks, me.rank, me.world_size)
     first = one_run(me.rank, me.world_size, me.device)
     check_weights_equal(checks, first, me.rank)
     check_masks_differ(checks, first)
     check_shards(checks, first, len(JitteredImages()))
-    check_draws_differ(checks, first, me.rank)
+    draws_differ = check_draws_differ(checks, first, me.rank)
     check_ddp_in_sync(checks, first)
+    if draws_differ:  # else the epochs repeat for the reason just given
+        check_epochs_differ(checks, first)
     second = one_run(me.rank, me.world_size, me.device)  # the same job again, from the same seed
     check_rerun(checks, first, second, me.rank)
-    print0(f"{len(first['draws'])} augmented samples per rank, 2 workers each; the job ran twice from seed {SEED}")
+    print0(f"{len(first['draws'])} augmented samples per rank, 2 workers each, epochs 0 and 1; the job ran twice from seed {SEED}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Chapter 08: the mistakes its check must name."""
 
+import torch
 from mutation import Mutation
+
+MODEL_BLOCK = ("    with torch.random.fork_rng(devices=rank_devices):\n        torch.manual_seed(seed)\n"
+               "        return Net().to(device)\n")
 
 MUTATIONS = [
     Mutation("same seed on every rank", "rank_seed = seed + rank\n", "rank_seed = seed\n",
@@ -36,4 +40,29 @@ MUTATIONS = [
     Mutation("unseeded worker generator", "    get_worker_info().dataset.rng = np.random.default_rng(worker_seed)\n",
              "    get_worker_info().dataset.rng = np.random.default_rng()\n",
              "a second run from the same seed gave different", 2),
+    Mutation("stream reseeded with seed + rank after building", MODEL_BLOCK,
+             "    torch.manual_seed(seed)\n    model = Net().to(device)\n    torch.manual_seed(seed + dist.get_rank())\n"
+             "    return model\n", "build_model reseeded this rank's torch stream with seed + rank", 2),
+    Mutation("seed_everything inside fork_rng", "        torch.manual_seed(seed)\n        return Net().to(device)\n",
+             "        seed_everything(seed, 0)\n        return Net().to(device)\n",
+             "build_model changed this rank's Python random and NumPy streams", 2),
+    Mutation("Net built after the fork_rng block", "        torch.manual_seed(seed)\n        return Net().to(device)\n",
+             "        torch.manual_seed(seed)\n    return Net().to(device)\n",
+             "drew the Net's initial weights from this rank's own stream", 2),
+    Mutation("64-bit seed for np.random.seed", "    worker_seed = torch.initial_seed() % 2**32\n",
+             "    worker_seed = torch.initial_seed()\n", "seed with torch.initial_seed() % 2**32", 2),
+    Mutation("worker seeds fixed across epochs", "    worker_seed = torch.initial_seed() % 2**32\n",
+             "    worker_seed = 1234 + 10 * dist.get_rank() + worker_id\n",
+             "epoch 1 drew the same augmentations as epoch 0", 2),
+    Mutation("no DistributedSampler", "batch_size=batch_size, sampler=sampler, num_workers=workers,",
+             "batch_size=batch_size, shuffle=True, num_workers=workers,", "the DataLoader needs a DistributedSampler", 2),
+    Mutation("DistributedSampler without the seed", "rank=rank, shuffle=True, seed=seed)\n", "rank=rank, shuffle=True)\n",
+             "the order of the samples ignores the seed", 2),
+    Mutation("loader generator from torch.manual_seed", "    generator = torch.Generator().manual_seed(seed + rank)\n",
+             "    generator = torch.manual_seed(seed + rank)\n", "torch.manual_seed returns that global generator", 2),
 ]
+
+if not torch.cuda.is_available():  # where GPUs exist this is the right answer
+    MUTATIONS.append(Mutation("fork_rng given the CPU device", "    with torch.random.fork_rng(devices=rank_devices):\n",
+                              "    with torch.random.fork_rng(devices=[device]):\n",
+                              "build_model reached for a GPU on a CPU-only rank", 2))
