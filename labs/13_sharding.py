@@ -19,6 +19,7 @@ Run it with 4 processes:
 # LAB: fill in every TODO, then run it with torchrun (the command is in the docstring).
 # (For maintainers: `make labs` writes this file from solutions/13_sharding.py; edit that one.)
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -28,7 +29,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ringside import Checks, Rank, print0, run_lab
-from ringside.compare import all_gather_tensor, flat_params, max_diff
+from ringside.compare import all_gather_tensor, flat_grads, flat_params, max_diff
 from ringside.data import digits
 
 SEED = 0
@@ -188,19 +189,29 @@ def everyone(ok: bool, device: torch.device) -> bool:
 
 
 def check_flatten(checks: Checks, me: Rank) -> bool:
-    sizes = (7, 5, 1)  # 13 elements: padded to 14 at 2 ranks, 15 at 3, 16 at 4
+    # 13 elements need padding at 2, 3 and 4 ranks; 3 * world_size elements need none, which is
+    # where padding "up to world_size" instead of "up to the next multiple" shows.
+    for sizes in ((7, 5, 1), (2 * me.world_size, me.world_size)):
+        if not flattens_right(checks, me, sizes):
+            return False
+    return True
+
+
+def flattens_right(checks: Checks, me: Rank, sizes: tuple[int, ...]) -> bool:
     tensors = [torch.arange(1.0, n + 1.0, device=me.device).reshape(-1) for n in sizes]
     flat = flatten_padded(tensors, me.world_size).cpu()
     real = torch.cat([t.cpu() for t in tensors])
-    want = -(-13 // me.world_size) * me.world_size
+    total = real.numel()
+    want = -(-total // me.world_size) * me.world_size
     if flat.numel() != want:
-        why = ("a multiple of world_size, but pad only up to the NEXT one" if flat.numel() % me.world_size == 0
+        why = ("a multiple of world_size, but pad only up to the NEXT one (no zeros when the total already is one: "
+               "missing = -total % world_size)" if flat.numel() % me.world_size == 0
                else "pad with zeros so that every shard has the same size (reduce-scatter and all-gather need equal chunks)")
-        return checks.expect(False, f"flatten_padded of 13 elements at {me.world_size} ranks returned {flat.numel()} "
-                                    f"elements, expected {want}: {why}")
-    ok = torch.equal(flat[:13], real)
+        return checks.expect(False, f"flatten_padded of {total} elements at {me.world_size} ranks returned "
+                                    f"{flat.numel()} elements, expected {want}: {why}")
+    ok = torch.equal(flat[:total], real)
     checks.expect(ok, "flatten_padded changed the order or the values: the tensors must come first, flattened, in order")
-    pad_ok = bool((flat[13:] == 0).all())
+    pad_ok = bool((flat[total:] == 0).all())
     checks.expect(pad_ok, "flatten_padded's padding is not zeros: use zeros (torch.empty holds garbage, "
                           "and garbage can be NaN)")
     return ok and pad_ok
@@ -236,6 +247,14 @@ def check_shard_range(checks: Checks, me: Rank) -> bool:
             checks.fail(f"shard_range({numel}) at {me.world_size} ranks: the shards skip {len(skipped)} element(s) "
                         f"(the first is {skipped[0]}) - round the shard size UP (the padding makes room), "
                         f"size = ceil({numel} / {me.world_size}) = {size}")
+        elif ranges[:-1] == expected[:-1] and ranges[-1] == (expected[-1][0], numel):
+            checks.fail(f"shard_range({numel}): the last shard stops at {numel}, cut short - the shards split the "
+                        f"PADDED vector ({padded} elements), so every shard has {size} elements, the last one too "
+                        f"(reduce-scatter hands out equal chunks)")
+        elif len({stop - start for start, stop in ranges}) == 1 and ranges[0][1] - ranges[0][0] > size:
+            checks.fail(f"shard_range({numel}) at {me.world_size} ranks: the shards have {ranges[0][1] - ranges[0][0]} "
+                        f"elements, more than ceil({numel} / {me.world_size}) = {size} - numel // world_size + 1 "
+                        f"overshoots when numel is a multiple of world_size: size = -(-numel // world_size)")
         else:
             checks.fail(f"shard_range({numel}) gave {ranges}, expected {expected}: equal shards in rank order")
         break
@@ -285,9 +304,12 @@ def check_average(checks: Checks, me: Rank) -> bool:
 
 
 def check_adam(checks: Checks, me: Rank) -> bool:
-    """Your adam_update against torch.optim.Adam on one tensor, for three steps."""
+    """Your adam_update against torch.optim.Adam on one tensor, for three steps: the moments first,
+    then the weights."""
     torch.manual_seed(SEED + 1)
-    start, grads = torch.randn(50), [torch.randn(50) for _ in range(3)]
+    # Gradients from 1e-6 to 1 in size: where grad**2 is as small as eps, eps's place in the formula shows.
+    scale = 10.0 ** torch.linspace(-6, 0, 50)
+    start, grads = torch.randn(50), [torch.randn(50) * scale for _ in range(3)]
     reference = nn.Parameter(start.clone())
     adam = torch.optim.Adam([reference], lr=LR, betas=BETAS, eps=EPS)
     param = start.clone().to(me.device)
@@ -295,23 +317,65 @@ def check_adam(checks: Checks, me: Rank) -> bool:
     for t, grad in enumerate(grads, start=1):
         reference.grad = grad.clone()
         adam.step()
+        before = param.cpu().clone()  # .cpu() of a CPU tensor is that tensor, which adam_update moves
         adam_update(param, grad.to(me.device), exp_avg, exp_avg_sq, t, LR, BETAS, EPS)
-        # Tolerance: the same formula in float32, perhaps in another order: about 1e-7 relative on
-        # weights of about 1; a wrong formula moves them by about LR = 1e-2.
-        gap = max_diff(param.cpu(), reference.detach())
         if torch.isnan(param).any():
             return checks.expect(False, f"adam_update made NaN at step {t}: is the bias correction 1 - beta**t "
                                         f"with t >= 1 (1 - beta**0 = 0)?")
+        state = adam.state[reference]
+        wrong = moments_mistake(exp_avg.cpu(), exp_avg_sq.cpu(), state, scale, t)
+        if wrong:
+            return checks.expect(False, wrong)
+        # Tolerance: the same formula in float32, perhaps in another order: about 1e-7 relative on
+        # weights of about 1; a wrong formula moves them by about LR = 1e-2.
+        gap = max_diff(param.cpu(), reference.detach())
         if gap > 1e-6:
-            g = grads[0]  # step 1 without bias correction: m = (1 - b1) g, v = (1 - b2) g^2
-            uncorrected = start - LR * (1 - BETAS[0]) * g / ((1 - BETAS[1]) ** 0.5 * g.abs() + EPS)
-            no_correction = t == 1 and max_diff(param.cpu(), uncorrected) < 1e-5
-            why = ("the bias correction is missing: divide the step by 1 - beta1**t and sqrt(v) by "
-                   "sqrt(1 - beta2**t)" if no_correction
-                   else "compare your update with the formulas of torch.optim.Adam (in the hints)")
             return checks.expect(False, f"adam_update differs from torch.optim.Adam by {gap:.2e} after step {t} "
-                                        f"(tolerance 1e-6): {why}")
+                                        f"(tolerance 1e-6): {update_mistake(before, param.cpu(), state, t)}")
     return checks.expect(True, "")
+
+
+def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
+    """What is wrong with the moments after step t, or None when they are torch.optim.Adam's."""
+    # Tolerance: 1e-5 relative to the element's own size and its gradient's (float32 rounding is
+    # about 1e-7 of the terms added, even where they nearly cancel).
+    def near(mine, theirs, size):
+        return bool(((mine - theirs).abs() <= 1e-5 * (theirs.abs() + size)).all())
+
+    untouched = [name for name, m in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)) if not m.any()]
+    if untouched:
+        return (f"after adam_update {' and '.join(untouched)} still hold zeros: `exp_avg = ...` makes a new tensor "
+                f"the optimizer never sees - update the moments in place (exp_avg.lerp_, exp_avg_sq.mul_().addcmul_)")
+    why = "the moments keep the raw averages: the bias correction goes into the step only, not into them"
+    if not near(exp_avg, state["exp_avg"], scale):
+        return (f"exp_avg differs from torch.optim.Adam's after step {t}: exp_avg = beta1 * exp_avg + (1 - beta1) * "
+                f"grad, beta1 = betas[0] = {BETAS[0]} ({why})")
+    if not near(exp_avg_sq, state["exp_avg_sq"], scale ** 2):
+        return (f"exp_avg_sq differs from torch.optim.Adam's after step {t}: exp_avg_sq = beta2 * exp_avg_sq + "
+                f"(1 - beta2) * grad * grad, beta2 = betas[1] = {BETAS[1]} ({why})")
+    return None
+
+
+def update_mistake(before, after, state, t: int) -> str:
+    """Which known wrong update of the weights turns `before` into `after`, from the right moments."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    correction1, correction2 = 1 - BETAS[0] ** t, (1 - BETAS[1] ** t) ** 0.5
+    known = (
+        ("adam_update did not move param: `param = ...` rebinds the name only - move it in place "
+         "(param.addcdiv_ or param.sub_)", before),
+        ("the bias correction is missing: divide the step by 1 - beta1**t and sqrt(v) by sqrt(1 - beta2**t)",
+         before - LR * m / (v.sqrt() + EPS)),
+        ("the step goes uphill: subtract the update from param (value=-step_size), do not add it",
+         before + LR / correction1 * m / (v.sqrt() / correction2 + EPS)),
+        ("eps belongs outside the square root: sqrt(v / (1 - beta2**t)) + eps",
+         before - LR / correction1 * m / (v / correction2 ** 2 + EPS).sqrt()),
+        ("add eps after the bias correction: sqrt(v) / sqrt(1 - beta2**t) + eps, not (sqrt(v) + eps) / sqrt(...)",
+         before - LR / correction1 * m / ((v.sqrt() + EPS) / correction2)),
+    )
+    for why, then in known:
+        if max_diff(after, then) <= 1e-6:
+            return why
+    return "compare your update with the formulas of torch.optim.Adam (in the hints)"
 
 
 def check_gather(checks: Checks, me: Rank) -> bool:
@@ -328,7 +392,11 @@ def check_gather(checks: Checks, me: Rank) -> bool:
         except RuntimeError as error:
             text = str(error).strip().splitlines()[0]
             hint = (" - strip the padding: keep the first numel elements of the gathered vector before splitting"
-                    if "split" in text or "size" in text or "shape" in text else "")
+                    if "split" in text
+                    else " - copy_ needs the parameter's shape: reshape each slice first (new.view_as(p))"
+                    if "must match the size" in text
+                    else " - strip the padding: keep the first numel elements, split them by the parameters' numel()"
+                    if "size" in text or "shape" in text else "")
             return checks.expect(False, f"gather_params raised RuntimeError: {text}{hint}")
     got = flat_params(nn.ParameterList(params))
     if not any(name.startswith("all_gather") for name, _ in calls):
@@ -382,8 +450,26 @@ def check_state(checks: Checks, me: Rank, optimizer: ShardedAdam, params, adam_b
         return checks.expect(False, f"your optimizer holds {mine} bytes on this rank, as much as Adam for the whole "
                                     f"model ({adam_bytes}): keep exp_avg and exp_avg_sq for this rank's shard "
                                     f"only ({shard} elements each), not for all parameters")
-    return checks.expect(ok, f"your optimizer holds {mine} bytes on this rank; about 1/{me.world_size} of Adam's "
-                             f"{adam_bytes} is expected (two moments of {shard} elements)")
+    if not checks.expect(ok, f"your optimizer holds {mine} bytes on this rank; about 1/{me.world_size} of Adam's "
+                             f"{adam_bytes} is expected (two moments of {shard} elements)"):
+        return False
+    wrong = moments_shape_mistake(optimizer, shard)
+    return checks.expect(wrong is None, wrong or "")
+
+
+def moments_shape_mistake(optimizer: ShardedAdam, shard: int) -> str | None:
+    """What is wrong with the moments ShardedAdam created (two tensors of one shard each), or None."""
+    moments = {name: getattr(optimizer, name, None) for name in ("exp_avg", "exp_avg_sq")}
+    if not all(isinstance(m, torch.Tensor) for m in moments.values()):
+        return None  # named otherwise: the step will say what is missing
+    if moments["exp_avg"].untyped_storage().data_ptr() == moments["exp_avg_sq"].untyped_storage().data_ptr():
+        return ("exp_avg and exp_avg_sq are one tensor: `a = b = torch.zeros(...)` (or b = a) makes one, and "
+                "each moment's update then overwrites the other - create two (torch.zeros_like)")
+    for name, m in moments.items():
+        if m.numel() != shard:
+            return (f"{name} has {m.numel()} elements, but this rank's shard has {shard} (stop - start, the padded "
+                    f"shard, rounded up): create the moments with stop - start elements")
+    return None
 
 
 def train_both(checks: Checks, me: Rank) -> None:
@@ -404,9 +490,13 @@ def train_both(checks: Checks, me: Rank) -> None:
                 return
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()      # this rank's gradient only: your step averages
-        with counting_collectives() as calls:
+        before = flat_params(model)
+        with counting_collectives() as calls, recording_adam_updates(optimizer.stop - optimizer.start) as updates:
             try:
                 optimizer.step()
+            except WrongShardSize as error:
+                checks.fail(f"step {step}: {error}")
+                return
             except ZeroDivisionError as error:  # in Python floats, 1 - beta**0 = 0 divides by zero
                 checks.fail(f"step {step} raised ZeroDivisionError ({error}): Adam's bias correction "
                             f"1 - beta**t is 0 for t = 0 - count the step before the update (the first step has t = 1)")
@@ -417,6 +507,11 @@ def train_both(checks: Checks, me: Rank) -> None:
         if torch.isnan(mine).any():
             checks.fail(f"the weights are NaN after step {step}: Adam's bias correction 1 - beta**t is 0 for "
                         f"t = 0 - count the step before the update (the first step has t = 1)")
+            return
+        wrong = step_mistake(me, optimizer, model, reference, step, before, calls, updates)
+        if not everyone(wrong is None, me.device):
+            if wrong:
+                checks.fail(wrong)
             return
         copies = all_gather_tensor(mine.to(me.device))
         if any(max_diff(mine, c.cpu()) > 0 for c in copies):
@@ -438,6 +533,114 @@ def train_both(checks: Checks, me: Rank) -> None:
     checks.expect(optimizer.steps == STEPS, f"ShardedAdam.steps is {optimizer.steps} after {STEPS} steps: "
                                             f"count every step (Adam's bias correction needs it)")
     print0(f"{STEPS} steps: weights equal to DDP + torch.optim.Adam to within 1e-5 on {me.world_size} ranks")
+
+
+class WrongShardSize(Exception):
+    """adam_update was handed tensors that are not one shard, on some rank: every rank raises it."""
+
+
+@contextmanager
+def recording_adam_updates(shard: int):
+    """Inside the block, every call of adam_update through its global name (as ShardedAdam.step
+    calls it) is recorded as {"param", "grad", "t"} (param as it was before the update), then run.
+    When its tensors are not `shard` elements long on some rank, every rank raises WrongShardSize
+    instead: a crash on one rank alone would leave the others waiting in the all-gather."""
+    calls, original = [], globals()["adam_update"]
+    signature = inspect.signature(original)
+
+    def recorded(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, shard_size_mistake(bound, shard))  # not a counted collective
+        wrong = next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
+        if wrong:
+            raise WrongShardSize(wrong)
+        calls.append({"param": bound["param"].detach().cpu().clone(), "grad": bound["grad"].detach().cpu().clone(),
+                      "t": bound["t"]})
+        return original(*args, **kwargs)
+
+    globals()["adam_update"] = recorded
+    try:
+        yield calls
+    finally:
+        globals()["adam_update"] = original
+
+
+def shard_size_mistake(arguments: dict, shard: int) -> str | None:
+    """What is wrong with the sizes of the tensors handed to adam_update, or None when all are one shard."""
+    tensors = {name: arguments.get(name) for name in ("param", "grad", "exp_avg", "exp_avg_sq")}
+    if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        return None  # adam_update itself will say what it cannot use
+    sizes = {name: t.numel() for name, t in tensors.items()}
+    if set(sizes.values()) == {shard}:
+        return None
+    padded = shard * dist.get_world_size()
+    if sizes["param"] != shard:
+        whole = "all the flattened parameters" if sizes["param"] == padded else f"{sizes['param']} parameters"
+        return (f"step gave adam_update {whole}, but this rank's shard has {shard}: update only the shard, "
+                f"[start:stop] of the flattened parameters (the gradient and the moments are one shard)")
+    if sizes["grad"] != shard:
+        fix = ("reduce-scatter it with average_grad_shard" if sizes["grad"] == padded
+               else "average_grad_shard already returns this rank's shard - do not slice it again")
+        return f"step gave adam_update a gradient of {sizes['grad']} elements, the shard has {shard}: {fix}"
+    return (f"adam_update got moments of {sizes['exp_avg']} and {sizes['exp_avg_sq']} elements for a shard of "
+            f"{shard}: create them with stop - start elements")
+
+
+def padded_shard(flat: torch.Tensor, numel_padded: int, start: int, stop: int) -> torch.Tensor:
+    """[start:stop] of `flat` padded with zeros to numel_padded elements (built here, not with your flatten_padded)."""
+    return torch.cat([flat, flat.new_zeros(numel_padded - flat.numel())])[start:stop]
+
+
+def step_mistake(me: Rank, optimizer: ShardedAdam, model: nn.Module, reference: nn.Module, step: int,
+                 before: torch.Tensor, calls, updates) -> str | None:
+    """What ShardedAdam.step did wrong, from what it handed adam_update and the collectives, or None.
+    The weights matched DDP's until this step, so DDP's averaged gradient is the one to expect."""
+    padded = -(-optimizer.numel // me.world_size) * me.world_size
+    start, stop = optimizer.start, optimizer.stop
+    if len(updates) == 1:  # the step as the TODO asks (one adam_update on the shard); else nothing to compare
+        wrong = update_arguments_mistake(me, updates[0], step, padded_shard(before, padded, start, stop),
+                                         padded_shard(flat_grads(reference), padded, start, stop),
+                                         padded_shard(flat_grads(model), padded, start, stop), start, stop)
+        if wrong:
+            return wrong
+    if max_diff(flat_params(model), before) == 0:
+        if not any(name.startswith("all_gather") for name, _ in calls):
+            return (f"step {step} left the weights unchanged and made no all-gather: flatten_padded returns a copy, "
+                    f"so adam_update moved only that copy - gather_params(param_shard, params) after adam_update")
+        return (f"step {step} left the weights unchanged: gather_params must send the shard AFTER adam_update "
+                f"moved it (flatten_padded returns a copy: the parameters change only through the all-gather)")
+    return None
+
+
+def update_arguments_mistake(me: Rank, update: dict, step: int, param: torch.Tensor, average: torch.Tensor,
+                             local: torch.Tensor, start: int, stop: int) -> str | None:
+    """What is wrong with the parameter shard, the gradient shard and the t that step handed to adam_update."""
+    if update["t"] != step:
+        after = " - count the step before the update" if update["t"] == step - 1 else ""
+        return (f"step {step} called adam_update with t = {update['t']}: does the bias correction use the right "
+                f"step count? t is this step's number, 1, 2, 3, ...{after}")
+    mine = update["param"]
+    if mine.shape != param.shape or not torch.equal(mine, param):
+        return (f"after step {step} the weights differ from DDP + torch.optim.Adam: step gave adam_update "
+                f"{mine.numel()} parameters that are not this rank's shard [{start}:{stop}] of the flattened "
+                f"parameters - update the same slice as the gradient shard")
+    grad = update["grad"]
+    # Tolerance: the same average summed in another order, float32: about 1e-7 relative.
+    if max_diff(grad, average) <= 1e-5 * (1 + average.abs().max().item()):
+        return None
+    if torch.equal(grad, local) and me.world_size > 1:
+        return (f"step {step} gave adam_update this rank's own gradient, not the average over the ranks: "
+                f"reduce-scatter it with average_grad_shard(flatten_padded(grads)) and pass that shard")
+    ratio = float(grad @ average / (average @ average))
+    if abs(ratio - 1 / me.world_size) < 0.01:
+        return (f"the gradient shard step gave adam_update is 1/{me.world_size} of the average - averaged twice: "
+                f"average_grad_shard already averages, do not divide by world_size again in step")
+    if abs(ratio - me.world_size) < 0.01:
+        return (f"the gradient shard step gave adam_update is {me.world_size}x the average: it is the sum - "
+                f"pass what average_grad_shard returns, not multiplied by world_size")
+    return (f"step {step} gave adam_update a gradient that is not this rank's shard [{start}:{stop}] of the "
+            f"averaged gradient: average_grad_shard of the whole padded gradient returns exactly that shard")
 
 
 def check_traffic(checks: Checks, me: Rank, calls, numel: int) -> None:
