@@ -224,6 +224,8 @@ def restarted_states(seed: int) -> dict:
 
 def cpu_state_after_net(cpu_state: bytes) -> bytes:
     """Where building a Net leaves the CPU stream that held `cpu_state`: Net() draws its weights from it."""
+    # devices=[] is right here (unlike in build_model): nothing below seeds or draws from a GPU
+    # generator - the CPU state is set by hand, and Net() is built on the CPU.
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(torch.frombuffer(bytearray(cpu_state), dtype=torch.uint8))
         Net()
