@@ -72,30 +72,50 @@ def make_buckets(params: list[torch.Tensor], cap: int) -> list[list[int]]:
 
 
 class HandDDP(nn.Module):
-    """A data-parallel wrapper with DDP's reducer written out: buckets, hooks, async all-reduces."""
+    """A data-parallel wrapper with DDP's reducer written out: buckets, hooks, async all-reduces.
+
+    Like torch's DDP it starts every rank from rank 0's parameters and buffers (frozen ones too),
+    reduces only the parameters that require gradients, broadcasts rank 0's buffers at a forward
+    that follows a synchronizing forward, and decides at the FORWARD whether the coming backward
+    communicates (so the forward of an accumulation step must run inside no_sync(), as DDP says).
+    Buckets are launched strictly in index order, so every rank issues the same all-reduces in the
+    same order (on NCCL, a different order hangs or mixes up buckets). A parameter that got no
+    gradient in a backward counts as a zero gradient, as with DDP(find_unused_parameters=True);
+    where DDP leaves a parameter that no rank used at grad None, this one gives it zeros."""
 
     def __init__(self, module: nn.Module, bucket_cap: int = BUCKET_CAP):
         super().__init__()
         self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        for p in self.params:  # every rank starts from rank 0's weights, as DDP does
-            dist.broadcast(p.data, src=0)
+        self.params = [p for p in module.parameters() if p.requires_grad]  # frozen ones are never reduced
+        with torch.no_grad():  # every rank starts from rank 0's state, as DDP does: weights and buffers
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=0)
         self.buckets = make_buckets(self.params, bucket_cap)
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self.ready = [0] * len(self.buckets)  # how many gradients of each bucket have arrived
+        self.launched = 0                     # buckets launched in this backward: 0, 1, ... in order
         self.pending = []                     # (work, flat buffer, bucket) of launched all-reduces
-        self.sync = True                      # False inside no_sync(): hooks do nothing
+        self.sync = True                      # False inside no_sync()
+        self.reduce_this_backward = True      # decided at each forward: was sync on?
+        self.sync_buffers = True              # broadcast rank 0's buffers at the next forward?
         for index, p in enumerate(self.params):
             # Called by autograd right after p.grad has been accumulated during backward.
             p.register_post_accumulate_grad_hook(lambda p, index=index: self.on_gradient_ready(index))
 
     def forward(self, *args, **kwargs):
+        # DDP decides here, not at backward: a forward inside no_sync() makes its backward local.
+        if self.sync_buffers:
+            with torch.no_grad():
+                for buffer in self.module.buffers():
+                    dist.broadcast(buffer, src=0)
+        self.reduce_this_backward = self.sync
+        self.sync_buffers = self.sync and torch.is_grad_enabled()
         return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Inside this block, backward only accumulates gradients locally: no communication."""
-        # HINT 1: on_gradient_ready already returns at once when self.sync is False.
+        """Inside this block, forward-and-backward only accumulates gradients locally: no communication."""
+        # HINT 1: forward() copies self.sync into self.reduce_this_backward, which the hook reads.
         # HINT 2: self.sync = False; try: yield; finally: self.sync = True
         # BEGIN SOLUTION: switch self.sync off for the block and back on afterwards (even if the block raises)
         self.sync = False
@@ -107,35 +127,54 @@ class HandDDP(nn.Module):
 
     def on_gradient_ready(self, index: int) -> None:
         """Runs inside backward when self.params[index].grad is ready. Must return at once."""
-        # HINT 1: count the arrivals in self.ready[bucket]; when the count equals the bucket's length, reset it to 0 and launch.
-        # HINT 2: flat = torch.cat([self.params[i].grad.reshape(-1) for i in self.buckets[bucket]]); work = dist.all_reduce(flat, async_op=True); remember (work, flat, bucket) in self.pending - never work.wait() here.
-        # BEGIN SOLUTION: unless sync is off, count this gradient in its bucket; when the bucket's last gradient arrives, launch an async all-reduce (sum) of the bucket's gradients flattened into one buffer, keep (work, buffer, bucket) in self.pending, and return without waiting
-        if not self.sync:
+        # HINT 1: count the arrivals in self.ready[bucket]; a bucket is complete when its count equals its length.
+        # HINT 2: then, while bucket number self.launched is complete: self.launch_bucket(self.launched); self.launched += 1 - a complete bucket waits for the ones before it.
+        # BEGIN SOLUTION: if this backward reduces (self.reduce_this_backward), count this gradient in its bucket, then launch every complete bucket whose turn has come - buckets go out in index order only
+        if not self.reduce_this_backward:
             return
-        bucket = self.bucket_of[index]
-        self.ready[bucket] += 1
-        if self.ready[bucket] == len(self.buckets[bucket]):
-            self.ready[bucket] = 0
-            flat = torch.cat([self.params[i].grad.reshape(-1) for i in self.buckets[bucket]])
-            work = dist.all_reduce(flat, async_op=True)
-            self.pending.append((work, flat, bucket))
+        self.ready[self.bucket_of[index]] += 1
+        while (self.launched < len(self.buckets)
+               and self.ready[self.launched] == len(self.buckets[self.launched])):
+            self.launch_bucket(self.launched)
+            self.launched += 1
+        # END SOLUTION
+
+    def launch_bucket(self, bucket: int) -> None:
+        """Start the sum over ranks of bucket `bucket`'s gradients, and return without waiting."""
+        # HINT 1: flat = torch.cat([...reshape(-1) ...]) copies the gradients into one buffer; a parameter whose .grad is None contributes torch.zeros_like(p).
+        # HINT 2: work = dist.all_reduce(flat, async_op=True); self.pending.append((work, flat, bucket)) - never work.wait() here.
+        # BEGIN SOLUTION: flatten the bucket's gradients into one new buffer (zeros for a parameter without a gradient), launch an async all-reduce (sum) of it, and keep (work, buffer, bucket) in self.pending
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                 for p in (self.params[i] for i in self.buckets[bucket])]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, async_op=True)
+        self.pending.append((work, flat, bucket))
         # END SOLUTION
 
     def finish_gradient_sync(self) -> None:
         """Call after the last backward of a window, before optimizer.step(): afterwards every
-        p.grad holds the average of that gradient over all ranks."""
-        # HINT 1: for work, flat, bucket in self.pending: work.wait(), then flat /= world size.
-        # HINT 2: copy the slices back: offset = 0; for i in self.buckets[bucket]: g = self.params[i].grad; g.copy_(flat[offset:offset + g.numel()].view_as(g)); offset += g.numel(). Empty self.pending at the end.
-        # BEGIN SOLUTION: wait for every pending all-reduce, divide its buffer by the world size (once), copy the averaged slices back into each parameter's .grad, and empty the pending list
+        reduced parameter's .grad holds the average of that gradient over all ranks."""
+        # HINT 1: buckets still not launched hold a parameter that got no gradient: launch them now, in order. Then for work, flat, bucket in self.pending: work.wait(), flat /= world size.
+        # HINT 2: copy the slices back: offset = 0; for i in self.buckets[bucket]: p = self.params[i]; average = flat[offset:offset + p.numel()].view_as(p); p.grad.copy_(average) (or p.grad = average.clone() when None); offset += p.numel(). Then reset self.ready, self.launched and self.pending.
+        # BEGIN SOLUTION: launch the buckets not launched yet (in order), wait for every pending all-reduce, divide its buffer by the world size (once), put the averaged slices into each parameter's .grad, and reset the bookkeeping for the next backward
+        while self.launched < len(self.buckets):
+            self.launch_bucket(self.launched)
+            self.launched += 1
         world_size = dist.get_world_size()
         for work, flat, bucket in self.pending:
             work.wait()
             flat /= world_size
             offset = 0
             for i in self.buckets[bucket]:
-                grad = self.params[i].grad
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+                p = self.params[i]
+                average = flat[offset:offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = average.clone()
+                else:
+                    p.grad.copy_(average)
+                offset += p.numel()
+        self.ready = [0] * len(self.buckets)
+        self.launched = 0
         self.pending = []
         # END SOLUTION
 
@@ -182,9 +221,10 @@ def train(model: HandDDP, windows: list, device: torch.device, events: list, aft
     loss_fn = nn.CrossEntropyLoss()
 
     def loss_of(model, batch):
-        events.append(("forward",))
         x, y = batch
-        return loss_fn(model(x.to(device)), y.to(device)) / len(windows[0])
+        output = model(x.to(device))
+        events.append(("forward", getattr(model, "reduce_this_backward", True)))  # will its backward reduce?
+        return loss_fn(output, y.to(device)) / len(windows[0])
 
     def first_step(*_):
         after_first()
@@ -331,8 +371,16 @@ def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> boo
                         f"finish_gradient_sync()")
             return False
         if launches[0] > readies[-1]:
-            checks.fail(f"rank {rank}, window {w}: every all-reduce started after the last gradient was ready - "
-                        f"nothing overlaps backward: launch a bucket from the hook as soon as it is full")
+            if not last[0][1]:  # the last forward ran with sync off: only finish_gradient_sync launched
+                checks.fail(f"rank {rank}, window {w}: the last micro-batch's forward ran with sync off, so its "
+                            f"backward launched nothing - the last forward and backward of a window must run "
+                            f"outside no_sync(), with sync on again")
+            elif w > 1:
+                checks.fail(f"rank {rank}, window {w}: every all-reduce started after backward ended, though "
+                            f"window 1's overlapped - are the per-bucket ready counts reset after each window?")
+            else:
+                checks.fail(f"rank {rank}, window {w}: every all-reduce started after the last gradient was ready - "
+                            f"nothing overlaps backward: launch a bucket from the hook as soon as it is full")
             return False
         if len(waits) != n_buckets:
             checks.fail(f"rank {rank}, window {w}: waited {len(waits)} times for {n_buckets} all-reduces - "
@@ -403,6 +451,91 @@ def check_weights(checks: Checks, model: nn.Module, reference: torch.Tensor, ran
                                f"after each step, and is each window's pending list fresh?")
 
 
+class Probe(nn.Module):
+    """A model unlike the lab's: its layers are registered in another order than they are used, one
+    bias is frozen, one layer is never used, and a BatchNorm has buffers. Each rank builds it from
+    its own seed, so only the broadcast at the start makes the ranks agree."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.late = nn.Linear(8, 3)    # used second
+        self.early = nn.Linear(5, 8)   # used first
+        self.norm = nn.BatchNorm1d(8)
+        self.spare = nn.Linear(3, 3)   # never used: it gets no gradient
+        self.early.bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.late(torch.tanh(self.norm(self.early(x))))
+
+
+PROBE_CAP = 10  # elements: four buckets, the first (spare's) never complete during backward
+
+
+def probe_step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()
+    if isinstance(model, HandDDP):
+        model.finish_gradient_sync()
+
+
+def check_probe(checks: Checks, me: Rank) -> bool:
+    """HandDDP on the Probe against DDP(find_unused_parameters=True): which all-reduces go out and
+    in what order, the averaged gradients (a parameter nobody used: zeros for us, None for DDP),
+    and where no_sync() is decided."""
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(me.rank)).to(me.device)
+    reference = DDP(Probe(seed=1000 + me.rank).to(me.device), find_unused_parameters=True,
+                    device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    probe_step(reference, x)
+    model = Probe(seed=1000 + me.rank).to(me.device)
+    events: list = []
+    try:
+        with recording_all_reduce(events):
+            hand = HandDDP(model, bucket_cap=PROBE_CAP)
+            probe_step(hand, x)
+    except AttributeError as error:  # the same on every rank: the same parameter is unused everywhere
+        if "'NoneType'" not in str(error):
+            raise
+        checks.fail(f"rank {me.rank}: on a model with a layer forward never uses, {error}: that layer's .grad is "
+                    f"None - it counts as zeros in its bucket, and gets the averaged slice as a new .grad")
+        return False
+    launched = [e[1] for e in events if e[0] == "launch"]
+    sizes = [sum(hand.params[i].numel() for i in bucket) for bucket in hand.buckets]
+    if len(launched) < len(sizes):
+        missing = [b for b, size in enumerate(sizes) if size not in launched]
+        checks.fail(f"rank {me.rank}: on a model with a layer forward never uses, bucket(s) {missing} of "
+                    f"{len(sizes)} were never all-reduced: a parameter that gets no gradient never makes its "
+                    f"bucket complete (nor, in order, the ones after it) - finish_gradient_sync() must launch the "
+                    f"buckets still waiting, counting a missing gradient as zeros")
+        return False
+    if launched != sizes:
+        checks.fail(f"rank {me.rank}: buckets were all-reduced in the order of their sizes {launched}, but the "
+                    f"buckets in index order have sizes {sizes}: launch bucket i only after buckets 0..i-1, even "
+                    f"when a later one completes first - every rank must issue its all-reduces in the same order "
+                    f"(NCCL hangs or mixes buckets up otherwise)")
+        return False
+    for (name, mine), theirs in zip(model.named_parameters(), reference.module.parameters()):
+        if not mine.requires_grad:
+            continue
+        want = theirs.grad if theirs.grad is not None else torch.zeros_like(theirs)
+        if mine.grad is None or not torch.allclose(mine.grad, want, rtol=1e-4, atol=1e-6):
+            checks.fail(f"rank {me.rank}: on a model with a frozen bias, an unused layer and a BatchNorm, "
+                        f"{name}.grad differs from DDP's - is every bucket's average copied back, also into a "
+                        f"parameter whose .grad was None?")
+            return False
+    # no_sync is decided at the forward: a forward inside it makes the backward local, as in DDP
+    events.clear()
+    with recording_all_reduce(events):
+        plain = HandDDP(nn.Linear(5, 3).to(me.device))
+        with plain.no_sync():
+            loss = plain(x).square().mean()
+        loss.backward()
+    launches = sum(e[0] == "launch" for e in events)
+    return checks.expect(launches == 0, f"rank {me.rank}: a forward inside no_sync() and its backward outside it "
+                                        f"launched {launches} all-reduce(s); DDP launches none - it decides at the "
+                                        f"forward. The hook must read self.reduce_this_backward, which forward() "
+                                        f"sets, not self.sync")
+
+
 def reference_run(me: Rank, windows: list) -> tuple[list, list, torch.Tensor]:
     """torch's DDP on the same micro-batches, with its own no_sync, in a loop of the check's own:
     its first-window gradients, this rank's own (un-averaged) first-window gradients, and its
@@ -456,6 +589,8 @@ def main(me: Rank, checks: Checks) -> None:
     if (check_events(checks, events, len(hand.buckets), me.rank)
             and check_gradients(checks, names, grads, ref_grads, own_grads, me.world_size, me.rank)):
         check_weights(checks, model, ref_weights, me.rank)
+    if checks.passed:  # right on the lab's model: now on one unlike it
+        check_probe(checks, me)
     launches = sum(e[0] == "launch" for e in events)
     print0(f"{WINDOWS} steps of {ACCUM} micro-batches: {launches} all-reduces on rank 0 "
            f"({len(hand.buckets)} per step; without no_sync, {ACCUM * len(hand.buckets)} per step)")
