@@ -92,11 +92,16 @@ def gather_params(shard: torch.Tensor, params: list[nn.Parameter]) -> None:
 
 class ShardedAdam:
     """Adam whose moments and update are split over the ranks (ZeRO-1). Every rank holds every
-    parameter; each updates only its shard and keeps Adam's state for that shard only."""
+    parameter; each updates only its shard and keeps Adam's state for that shard only.
 
-    def __init__(self, params, lr: float = LR, betas: tuple[float, float] = BETAS, eps: float = EPS):
-        self.params = list(params)
-        self.lr, self.betas, self.eps = lr, betas, eps
+    With weight_decay > 0 it is AdamW (decoupled weight decay, as torch.optim.AdamW). Parameters
+    that do not require gradients (frozen) are left alone. A trainable parameter that got no
+    gradient counts as a zero gradient; torch's Adam would skip it for that step."""
+
+    def __init__(self, params, lr: float = LR, betas: tuple[float, float] = BETAS, eps: float = EPS,
+                 weight_decay: float = 0.0):
+        self.params = [p for p in params if p.requires_grad]  # frozen parameters are not optimized
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.steps = 0  # steps taken; Adam's bias correction needs it
         self.numel = sum(p.numel() for p in self.params)
         self.start, self.stop = shard_range(self.numel, dist.get_rank(), dist.get_world_size())
@@ -107,6 +112,11 @@ class ShardedAdam:
     def step(self) -> None:
         """One optimizer step: every rank has called backward() on its own batch."""
         world_size = dist.get_world_size()
+        for p in self.params:
+            if p.grad is None:  # not used in this step's forward: a zero gradient, on every rank alike
+                p.grad = torch.zeros_like(p)
+            if self.weight_decay:  # AdamW shrinks each weight before the Adam update (every rank alike)
+                p.mul_(1 - self.lr * self.weight_decay)
         # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
         # TODO: average this rank's gradient shard (flatten_padded the grads, then average_grad_shard), take this rank's [start:stop] of the flattened parameters, count the step, adam_update the shard, gather_params
         raise NotImplementedError("the TODO above")

@@ -92,7 +92,11 @@ def average_gradients(model: nn.Module) -> None:
     """After backward: replace every parameter's .grad by its mean over all ranks, with one
     ring_all_reduce on one flat buffer of all gradients (what DDP does with its buckets)."""
     world_size = dist.get_world_size()
-    grads = [p.grad for p in model.parameters()]
+    trained = [p for p in model.parameters() if p.requires_grad]  # frozen parameters have no gradient
+    for p in trained:
+        if p.grad is None:  # unused in this forward: it counts as zeros (DDP's find_unused_parameters)
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in trained]
     # HINT 1: torch.cat of the grads reshaped to 1-D makes one flat copy; ring_all_reduce sums it; a sum over N ranks is N times the mean; the copy must go back into each p.grad in place
     # HINT 2: after ring_all_reduce(flat) and flat /= world_size, walk an offset through flat: g.copy_(flat[offset:offset + g.numel()].view_as(g)); offset += g.numel()
     # BEGIN SOLUTION: leave in every p.grad its mean over all ranks, using one ring_all_reduce on one flat buffer
@@ -104,6 +108,13 @@ def average_gradients(model: nn.Module) -> None:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
     # END SOLUTION
+
+
+@torch.no_grad()
+def broadcast_state(model: nn.Module) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DDP does when it wraps a model."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor, src=0)
 
 
 # --- The training that uses it (given) ------------------------------------------------------------
@@ -130,6 +141,8 @@ def my_batch(data: TensorDataset, step: int, device: torch.device) -> tuple[torc
 def train(model: nn.Module, data: TensorDataset, device: torch.device, by_hand: bool) -> list[tuple]:
     """STEPS of SGD; by_hand: average the gradients with average_gradients (else `model` is a DDP
     and backward averages them). Returns (local gradients, averaged gradients, weights) per step."""
+    if by_hand:
+        broadcast_state(model)  # what DDP does when it wraps the model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     history = []
     for step in range(STEPS):
