@@ -18,7 +18,7 @@ chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
 # pip, minus the warnings about package mirrors that this machine's pip.conf names but lacks
 PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
 
-.PHONY: help setup lab hint solution template test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench cluster-overlap
+.PHONY: help setup lab hint solution template test-kernels test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench cluster-overlap
 
 help: ## list the targets
 	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
@@ -83,6 +83,19 @@ test: setup ## run every test: notebooks (nbval), labs, solutions, package
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q -rs -p no:randomly -n $(TEST_WORKERS) $(NBVAL) chapters tests; status=$$?; \
 	echo "make test: total $$(( $$(date +%s) - start )) s"; exit $$status
+
+# Stored outputs must not depend on the CPU: PyTorch picks its CPU kernels by ATEN_CPU_CAPABILITY,
+# so one machine can run the notebooks with another CPU's kernels (default: no SIMD; avx2). CI runs
+# this after make test; KERNELS="default" checks one level.
+KERNELS ?= default avx2
+test-kernels: setup ## every notebook again under other CPUs' kernels (ATEN_CPU_CAPABILITY=default, avx2)
+	@start=$$(date +%s); status=0; \
+	for level in $(KERNELS); do \
+	    echo "== notebooks with ATEN_CPU_CAPABILITY=$$level"; \
+	    ATEN_CPU_CAPABILITY=$$level $(PY) -m pytest -q -p no:randomly -p no:cacheprovider -n $(TEST_WORKERS) $(NBVAL) chapters \
+	        || status=1; \
+	done; \
+	echo "make test-kernels: total $$(( $$(date +%s) - start )) s"; exit $$status
 
 # The GPU check runs with the Python and torch the machine already has (GPU_PY=... to choose; the
 # course's .venv when it exists) and installs nothing: a GPU box may have no network.
