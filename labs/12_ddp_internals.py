@@ -221,6 +221,12 @@ def record_gradient_ready(model: nn.Module, events: list) -> None:
 
 def check_buckets(checks: Checks, params: list, buckets) -> bool:
     """The rules of make_buckets, checked one by one. Returns False when training cannot run."""
+    exact = make_buckets([torch.empty(20), torch.empty(30), torch.empty(70)], 100)
+    over = make_buckets([torch.empty(150), torch.empty(150)], 100)  # over the cap: closed either way
+    if exact == [[2, 1, 0]] and over == [[1], [0]]:  # 70 + 30 lands exactly on the cap (the lab's model never does)
+        checks.fail("make_buckets([20, 30, 70 elements], cap 100) gave [[2, 1, 0]], expected [[2, 1], [0]]: "
+                    "a bucket that holds exactly cap elements is full - close it at size >= cap, not > cap")
+        return False
     n = len(params)
     try:
         flat = [int(i) for bucket in buckets for i in bucket]

@@ -93,6 +93,10 @@ def check_sum(checks: Checks, device: torch.device) -> None:
         if isinstance(total, torch.Tensor):
             checks.fail(f"sum_over_ranks returned a tensor {total}: return a Python int (int(t.item()))")
             return
+        if total is None:  # e.g. `return dist.all_reduce(t)`: the collective works in place, returns None
+            checks.fail("sum_over_ranks returned None - dist.all_reduce(t) changes t in place and returns "
+                        "None (a Work only with async_op=True): return int(t.item()) after it")
+            return
         expected = sum(values)
         totals = [None] * world_size
         dist.all_gather_object(totals, total)

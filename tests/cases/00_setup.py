@@ -35,4 +35,8 @@ MUTATIONS = [
              "read dist.get_rank() and dist.get_world_size(), not constants", 3),
     Mutation("hard-coded backend", "backend {dist.get_backend()}\"\n", "backend nccl\"\n",
              "ask dist.get_backend()", 2),
+    Mutation("the collective's result returned (None: all_reduce works in place)",
+             "    dist.all_reduce(mine, op=dist.ReduceOp.SUM)\n    return int(mine.item())\n",
+             "    return dist.all_reduce(mine, op=dist.ReduceOp.SUM)\n",
+             "returned None"),
 ]

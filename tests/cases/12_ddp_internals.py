@@ -109,4 +109,8 @@ MUTATIONS = [
              "        if not self.reduce_this_backward:\n            return\n",
              "        if not self.sync:\n            return\n",
              "it decides at the forward", 3),
+    Mutation("a bucket exactly at the cap left open (> instead of >=)",
+             "        if size >= cap:\n",
+             "        if size > cap:\n",
+             "close it at size >= cap, not > cap"),
 ]
