@@ -88,7 +88,7 @@ def train(dataset: TensorDataset, device: torch.device, epochs: int = 3, batch_s
     for epoch in range(epochs):
         # HINT 1: the order comes from the sampler: what must it be told to draw a new permutation each epoch? (section 2 of the notebook)
         # HINT 2: DistributedSampler shuffles with seed + epoch, and only learns the epoch from sampler.set_epoch(epoch)
-        # BEGIN SOLUTION: bug hunt - every rank reads its share in the same order in every epoch; each epoch should read a new order, the one DistributedSampler gives for that epoch. Delete this raise, run the lab and read what the check found
+        # BEGIN SOLUTION: bug hunt - one line is missing from this loop, and the model learns less from epochs 2 and 3 than it should. Delete this raise, run the lab and read what the check found
         sampler.set_epoch(epoch)
         # END SOLUTION
         order = []
