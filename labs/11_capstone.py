@@ -57,9 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
-                   help="autocast: bfloat16 on a GPU that has it, else float16 + GradScaler; bfloat16 on the "
-                        "CPU (default: on a GPU only; a CPU without bfloat16 units runs these convolutions "
-                        "about 7x slower)")
+                   help="autocast: bfloat16 on a GPU that runs it natively (Ampere and later), else float16 + "
+                        "GradScaler; bfloat16 on the CPU (default: on a GPU only; a CPU without bfloat16 units "
+                        "runs these convolutions about 7x slower)")
     p.add_argument("--fresh", action="store_true",
                    help="start afresh even if OUT/checkpoint.pt exists (by default a run resumes from it: "
                         "that is how a job restarted by torchrun, or relaunched by hand, continues)")
@@ -96,6 +96,9 @@ def join_group() -> Rank:
     attempt = (store.add("capstone/joined", 1) - 1) // world_size
     store = dist.PrefixStore(f"capstone/attempt_{attempt}", store)
     kwargs = {"device_id": device} if device_type == "cuda" else {}
+    # DEFAULT_TIMEOUT is the course's 30 s, so that a broken lab fails fast; do not copy it into a real
+    # job, where a collective can wait minutes for a slow rank (a checkpoint write, a data stall):
+    # template/train_ddp.py takes --timeout-s (600 s by default)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=DEFAULT_TIMEOUT, **kwargs)
     return Rank(rank, world_size, local_rank, dist.get_backend(), device)
@@ -183,12 +186,15 @@ def build_model(net: nn.Module, me: Rank) -> DDP:
 
 
 def amp_dtype(args: argparse.Namespace, me: Rank) -> torch.dtype | None:
-    """The autocast type, or None: bfloat16 where the GPU has it (Ampere and later: float32's range,
-    no scaler needed), else float16 (needs the GradScaler); bfloat16 on the CPU (only with --amp)."""
+    """The autocast type, or None: bfloat16 where the GPU runs it natively (Ampere and later: float32's
+    range, no scaler needed), else float16 (needs the GradScaler); bfloat16 on the CPU (only with --amp)."""
     if not (args.amp if args.amp is not None else me.device.type == "cuda"):
         return None
     if me.device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # including_emulation=False: the default (True) also answers True on a V100 or T4, which only
+        # emulate bfloat16 (torch/cuda/__init__.py, is_bf16_supported); those GPUs want float16
+        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native_bf16 else torch.float16
     return torch.bfloat16
 
 

@@ -259,7 +259,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm; 0: no clipping")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-                   help="auto: bf16 on GPUs that have it, else fp16 + GradScaler; off on the CPU")
+                   help="auto: bf16 on GPUs that run it natively (Ampere+), else fp16 + GradScaler; off on the CPU")
     p.add_argument("--sync-bn", action="store_true",
                    help="BatchNorm statistics over all processes (nccl only: gloo has no SyncBatchNorm)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
@@ -281,7 +281,10 @@ def pick_amp(choice: str, device: torch.device) -> torch.dtype | None:
     if choice == "auto":
         if device.type != "cuda":
             return None  # CPUs without 16-bit units run autocast several times slower
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # including_emulation=False: by default is_bf16_supported() also says True on a V100 or T4,
+        # which only emulate bf16 (torch/cuda/__init__.py); native bf16 needs compute capability 8.0+
+        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native_bf16 else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 

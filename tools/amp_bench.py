@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         return 0
     device = torch.device("cuda", 0)
     builders = {"resnet50": resnet50, "transformer": transformer, "mlp": mlp}
-    modes = [m for m in MODES if m != "bf16" or torch.cuda.is_bf16_supported()]
+    modes = [m for m in MODES if m != "bf16" or torch.cuda.is_bf16_supported(including_emulation=False)]
     rows = []
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     print(f"{'model':62} {'mode':16} {'ms/step':>8} {'peak GiB':>9}")
