@@ -367,7 +367,8 @@ def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> boo
         if len(launches) != n_buckets:
             hint = (" - the last backward of a window must run outside no_sync(), with sync on again"
                     if not launches and w == 1 else
-                    " - are the per-bucket ready counts reset after each launch?" if w > 1 else "")
+                    " - are the per-bucket ready counts reset, and self.launched with them, after each window?"
+                    if w > 1 else "")
             checks.fail(f"rank {rank}, window {w}: {len(launches)} all-reduces on the last micro-batch, expected one "
                         f"per bucket ({n_buckets}){hint}")
             return False
@@ -386,7 +387,8 @@ def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> boo
                             f"window 1's overlapped - are the per-bucket ready counts reset after each window?")
             else:
                 checks.fail(f"rank {rank}, window {w}: every all-reduce started after the last gradient was ready - "
-                            f"nothing overlaps backward: launch a bucket from the hook as soon as it is full")
+                            f"nothing overlaps backward: launch a bucket from the hook as soon as it is full (and its turn "
+                            f"has come), counting each gradient in its own bucket, self.bucket_of[index]")
             return False
         if len(waits) != n_buckets:
             checks.fail(f"rank {rank}, window {w}: waited {len(waits)} times for {n_buckets} all-reduces - "

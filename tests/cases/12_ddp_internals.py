@@ -113,4 +113,12 @@ MUTATIONS = [
              "        if size >= cap:\n",
              "        if size > cap:\n",
              "close it at size >= cap, not > cap"),
+    Mutation("self.launched never reset after a window",
+             "        self.ready = [0] * len(self.buckets)\n        self.launched = 0\n        self.pending = []\n",
+             "        self.ready = [0] * len(self.buckets)\n        self.pending = []\n",
+             "and self.launched with them", 3),
+    Mutation("a gradient counted in the wrong bucket (by parameter index)",
+             "        self.ready[self.bucket_of[index]] += 1\n",
+             "        self.ready[min(index, len(self.buckets) - 1)] += 1\n",
+             "self.bucket_of[index]", 3),
 ]
