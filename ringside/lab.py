@@ -1,7 +1,7 @@
 """The self-check every lab ends with.
 
-A lab's `main(me, checks)` runs on every rank (`me` is the `Rank` it joined the group as) and
-records what it verified:
+A lab hands its functions to its check, `checks/labNN.py`, whose `main(me, checks)` runs on every
+rank (`me` is the `Rank` it joined the group as) and records what it verified:
 
     checks.expect(torch.allclose(mine, expected), "gradients are 2x too large - did you divide by world_size?")
 

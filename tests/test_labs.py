@@ -51,9 +51,15 @@ def test_every_lab_is_generated_from_its_solution():
 
 @pytest.mark.parametrize("solution", solutions(), ids=stem_ids(solutions()))
 def test_lab_ends_through_run_lab(solution):
-    """The exit path of every lab is run_lab (clean teardown, os._exit), never a bare main()."""
+    """A lab ends by handing its functions to its check, checks/labNN.py, whose run() ends through
+    run_lab (clean teardown, os._exit), never a bare main(); the lab file holds no check code."""
+    number = solution.name[:2]
     text = solution.read_text()
-    assert 'if __name__ == "__main__":\n    run_lab(' in text
+    assert f'if __name__ == "__main__":  # the check is in checks/lab{number}.py' in text
+    assert f"    from checks import lab{number}\n    lab{number}.run(" in text
+    check = (ROOT / "checks" / f"lab{number}.py").read_text()
+    assert "\ndef run(**learner) -> None:" in check and "    run_lab(" in check
+    assert "checks.expect(" not in text and "import checks" not in text
 
 
 def test_plain_python_says_how_to_run_and_exits_2():

@@ -1,4 +1,4 @@
-"""What nccl would reject or ignore, kept out of every lab, solution and notebook (it cannot run here).
+"""What nccl would reject or ignore, kept out of every lab, solution, check and notebook (it cannot run here).
 
 NCCL ignores `tag` (messages between two ranks are matched in order), has no receive from any
 source (`recv` without `src`), and moves only CUDA tensors. A lab that relies on tags or on an
@@ -17,7 +17,9 @@ P2P = {"send", "recv", "isend", "irecv", "P2POp"}
 
 
 def sources():
-    for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py")) + sorted((ROOT / "labs").glob("[0-9][0-9]_*.py")):
+    scripts = [*sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py")), *sorted((ROOT / "labs").glob("[0-9][0-9]_*.py")),
+               *sorted((ROOT / "checks").glob("lab[0-9][0-9].py"))]
+    for path in scripts:
         yield path.relative_to(ROOT), path.read_text()
     for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(path.read_text())["cells"]

@@ -21,6 +21,16 @@ MUTATIONS = [
              "    if rank == 0:\n        for peer in range(world_size):\n            if peer != 0:\n"
              "                dist.send(tensor, dst=peer)\n    else:\n        dist.recv(tensor, src=0)\n",
              "send from (and receive from) `src`, not 0", 3),
+    # REVIEW F: gloo's "Pair is not connected" came raw, with a traceback, and the hint never fired
+    Mutation("broadcast receives from rank 0 whatever the root",
+             "        dist.recv(tensor, src=src)\n", "        dist.recv(tensor, src=0)\n",
+             "the root is `src`, whichever rank the caller names", 3),
+    # REVIEW F: the receiving ranks hold their own tensors; rank 0 was told "send from `src`, not 0"
+    Mutation("broadcast receives into a new tensor and rebinds the name",
+             "        dist.recv(tensor, src=src)\n",
+             "        received = torch.empty_like(tensor)\n        dist.recv(received, src=src)\n"
+             "        tensor = received\n",
+             "holds rank 0's tensor, expected rank 1's tensor: the receiving ranks still hold their own", 3),
     Mutation("gather forgets the destination's own slot", "        gather_list[dst].copy_(tensor)\n", "",
              "the destination's own slot", 2),
     Mutation("gather rebinds its own slot", "        gather_list[dst].copy_(tensor)\n",

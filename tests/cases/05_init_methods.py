@@ -8,6 +8,10 @@ MUTATIONS = [
     Mutation("no timeout", ",\n                            world_size=settings.world_size, timeout=timedelta(seconds=settings.timeout_s))",
              ",\n                            world_size=settings.world_size)",
              "pass timeout=timedelta(seconds=settings.timeout_s)", 2),
+    # REVIEW F: answered "pass timeout=" (already passed); torch's "rank parameter missing" was in a second line
+    Mutation("no rank or world size for init_process_group",
+             "init_method=settings.init_method, rank=settings.rank,\n                            world_size=settings.world_size, ",
+             "init_method=settings.init_method, ", "pass rank=settings.rank and world_size=settings.world_size", 2),
     Mutation("LOCAL_RANK for RANK", 'else environ.get("RANK")', 'else environ.get("LOCAL_RANK")',
              "the global rank is RANK", 2),
     Mutation("no MASTER_ADDR check", 'for name in ("MASTER_ADDR", "MASTER_PORT")', 'for name in ("MASTER_PORT",)',

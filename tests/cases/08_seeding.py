@@ -18,7 +18,7 @@ MUTATIONS = [
     Mutation("returns the shared seed", "    return rank_seed\n", "    return seed\n",
              "seed_everything returned 1234, expected seed + rank = 1235", 2),
     Mutation("model seeded with the rank", "        torch.manual_seed(seed)\n        return Net().to(device)\n",
-             "        torch.manual_seed(seed + dist.get_rank())\n        return Net().to(device)\n",
+             "        torch.manual_seed(seed + torch.distributed.get_rank())\n        return Net().to(device)\n",
              "differ from rank 0's: build the model from the shared seed", 4),
     Mutation("shared seed without fork_rng",
              "    with torch.random.fork_rng(devices=rank_devices):\n        torch.manual_seed(seed)\n"
@@ -41,7 +41,7 @@ MUTATIONS = [
              "    get_worker_info().dataset.rng = np.random.default_rng()\n",
              "a second run from the same seed gave different", 2),
     Mutation("stream reseeded with seed + rank after building", MODEL_BLOCK,
-             "    torch.manual_seed(seed)\n    model = Net().to(device)\n    torch.manual_seed(seed + dist.get_rank())\n"
+             "    torch.manual_seed(seed)\n    model = Net().to(device)\n    torch.manual_seed(seed + torch.distributed.get_rank())\n"
              "    return model\n", "build_model reseeded this rank's torch stream with seed + rank", 2),
     Mutation("seed_everything inside fork_rng", "        torch.manual_seed(seed)\n        return Net().to(device)\n",
              "        seed_everything(seed, 0)\n        return Net().to(device)\n",
@@ -52,7 +52,7 @@ MUTATIONS = [
     Mutation("64-bit seed for np.random.seed", "    worker_seed = torch.initial_seed() % 2**32\n",
              "    worker_seed = torch.initial_seed()\n", "seed with torch.initial_seed() % 2**32", 2),
     Mutation("worker seeds fixed across epochs", "    worker_seed = torch.initial_seed() % 2**32\n",
-             "    worker_seed = 1234 + 10 * dist.get_rank() + worker_id\n",
+             "    worker_seed = 1234 + 10 * torch.distributed.get_rank() + worker_id\n",
              "epoch 1 drew the same augmentations as epoch 0", 2),
     Mutation("no DistributedSampler", "batch_size=batch_size, sampler=sampler, num_workers=workers,",
              "batch_size=batch_size, shuffle=True, num_workers=workers,", "the DataLoader needs a DistributedSampler", 2),

@@ -1,0 +1,257 @@
+"""The check of lab 03 (collectives): it runs the code of labs/03_collectives.py and says what is wrong.
+
+You need not read it to do the lab. The lab file hands over its functions: `lab.X` below is the
+lab's X (this module never imports the lab).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from ringside import Checks, Rank, print0, run_lab
+from ringside.calls import Recorder
+
+lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
+
+
+# --- The checks: the same inputs through your function and through torch.distributed's own --------
+
+SHAPES = [(5,), (3, 7), (2, 3, 5)]  # odd sizes: nothing divides evenly
+DTYPES = [torch.float32, torch.int64, torch.float64]
+SENTINEL = -1  # fills every output before the call: a slot still holding it was never written
+COLLECTIVES = ("broadcast", "scatter", "gather", "all_gather", "all_gather_into_tensor", "reduce",
+               "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "all_to_all_single", "broadcast_object_list", "all_gather_object", "gather_object")
+
+
+def rank_tensor(rank: int, shape: tuple, dtype: torch.dtype, case: int, device: torch.device) -> torch.Tensor:
+    """Each rank's own input: seeded, different on every rank and in every case, never SENTINEL."""
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    return (torch.randint(0, 100, shape, generator=g).to(dtype) + 1000 * rank + 1).to(device)
+
+
+def who_holds(t: torch.Tensor, inputs: list[torch.Tensor]) -> str:
+    """Name the tensor `t` turned out to be: a rank's input, the sentinel, or something else."""
+    for r, x in enumerate(inputs):
+        if torch.equal(t, x):
+            return f"rank {r}'s tensor"
+    if (t == SENTINEL).all():
+        return "nothing (never written)"
+    return "values that are no rank's tensor"
+
+
+def fail_once(checks: Checks, diagnosis: str) -> None:
+    """The same mistake seen at every root or case is reported once."""
+    if diagnosis not in checks.failures:
+        checks.fail(diagnosis)
+
+
+def p2p_mistakes(calls: Recorder, name: str, ring: bool = False) -> list[str]:
+    """What the recorded calls show, whatever the values came out as: rules that gloo forgives
+    and NCCL does not, and the ring's order of sending and waiting."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    found = []
+    if any(op["kind"] in ("recv", "irecv") and op["peer"] is None for op in calls.ops):
+        found.append(f"{name} called recv without src: a receive from any rank takes whichever message comes "
+                     f"first (at 3 or more ranks not always the one you meant), and NCCL has no such receive - "
+                     f"name the sender: dist.recv(t, src=peer)")
+    tags = sorted({op["tag"] for op in calls.ops if op["tag"]})
+    if tags:
+        found.append(f"{name} passed tag={tags[0]}: NCCL ignores tags, so a lab that relies on them breaks "
+                     f"there - tell messages apart by peer and by the order in which they are posted")
+    if not ring:
+        return found
+    loose = [op for op in calls.ops if not op["batch"]]
+    if loose:
+        found.append(f"{name} posted a {loose[0]['kind']} outside dist.batch_isend_irecv: each step's send and "
+                     f"receive run at once, and NCCL wants such pairs posted together as one group")
+    sends = [op for op in calls.ops if "send" in op["kind"]]
+    recvs = [op for op in calls.ops if "recv" in op["kind"]]
+    if any(r["ptr"] == t["ptr"] and (r["index"] in t["pending"] or t["index"] in r["pending"])
+           for r in recvs for t in sends):
+        found.append(f"{name} sent a slot while a receive into it was still in flight (its values had not "
+                     f"arrived yet): wait for each step's requests before the next step sends what arrived, "
+                     f"and never send the slot you are receiving")
+    if any(not op["waited"] for op in calls.ops):
+        found.append(f"{name} returned with a request never waited for: wait on every request of every step")
+    if world_size > 2:
+        right, left = (rank + 1) % world_size, (rank - 1) % world_size
+        if any(op["peer"] != right for op in calls.ops if "send" in op["kind"]) or \
+                any(op["peer"] != left for op in calls.ops if "recv" in op["kind"]):
+            found.append(f"{name} talked to other ranks than its neighbours in the ring direction: send to the "
+                         f"right ((rank + 1) % N) and receive from the left ((rank - 1) % N)")
+    return found
+
+
+class Stop(Exception):
+    """The learner's call never finished: the group is unusable, so the check stops here."""
+
+
+def peer_mistakes(calls: Recorder, name: str, root: int | None) -> list[str]:
+    """Why a broadcast or gather that failed may have failed: a rank that talked to itself, or a
+    message between two ranks that are not the root. (Only used once the call failed: a tree
+    broadcast, where ranks pass the tensor on, is right.)"""
+    if root is None:
+        return []
+    rank, arg = dist.get_rank(), "src" if name == "broadcast" else "dst"
+    for op in calls.ops:
+        peer, receives = op["peer"], "recv" in op["kind"]
+        if peer == rank:
+            return [f"{name} with root {root}: rank {rank} tried to {'receive from' if receives else 'send to'} "
+                    f"itself - the root is `{arg}`, whichever rank the caller names (not always 0)"]
+        if peer is not None and rank != root and peer != root:
+            return [f"{name} with root {root}: rank {rank} {'received from' if receives else 'sent to'} rank "
+                    f"{peer} - the root is `{arg}`, whichever rank the caller names (not always 0)"]
+    return []
+
+
+def run_watched(checks: Checks, name: str, fn, *args, ring: bool = False, root: int | None = None) -> list[str]:
+    """Run one of the learner's functions with its calls recorded and fail each mistake they show
+    (returned too); a call that timed out or failed in torch.distributed becomes Stop, with what the
+    calls showed (gloo's own message, such as "Pair is not connected", rarely names the cause)."""
+    with Recorder(refuse=COLLECTIVES) as calls:
+        try:
+            fn(*args)
+        except RuntimeError as error:
+            text = str(error).lower()
+            found = peer_mistakes(calls, name, root) + p2p_mistakes(calls, name, ring)
+            if "timed out" in text or "closed" in text:
+                raise Stop(f"{name} never finished (a send or recv timed out: likely a deadlock) - " + (
+                    "; ".join(found) if found else "every send needs a matching recv on the other rank, posted "
+                                                   "so that neither waits for the other first")) from None
+            if not found:
+                raise
+            first_line = str(error).strip().splitlines()[0][:120]
+            raise Stop(f"{name} failed in torch.distributed ({first_line}) - " + "; ".join(found)) from None
+    mistakes = p2p_mistakes(calls, name, ring)
+    for mistake in mistakes:
+        fail_once(checks, mistake)
+    return mistakes
+
+
+def blank_slots(like: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """One tensor per rank, every value SENTINEL: a slot nobody wrote is easy to tell."""
+    return [torch.full_like(like, SENTINEL) for _ in range(world_size)]
+
+
+def check_broadcast(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
+    """Exact equality (a broadcast only copies bytes) with dist.broadcast, from every root."""
+    rank = dist.get_rank()
+    for src in range(len(inputs)):
+        mine, theirs = inputs[rank].clone(), inputs[rank].clone()
+        run_watched(checks, "broadcast", lab.broadcast, mine, src, root=src)
+        dist.broadcast(theirs, src)
+        holders = [None] * len(inputs)  # whose tensor each rank holds now: the mistake shows in all of them
+        dist.all_gather_object(holders, next((r for r, x in enumerate(inputs) if torch.equal(mine, x)), None))
+        if torch.equal(mine, theirs):
+            checks.expect(True, "")
+            continue
+        checks.fail(f"broadcast from rank {src} of {what}: this rank holds {who_holds(mine, inputs)}, "
+                    f"expected rank {src}'s tensor: {broadcast_hint(holders, rank, src)}")
+
+
+def broadcast_hint(holders: list[int | None], rank: int, src: int) -> str:
+    """The likely mistake when rank r holds rank holders[r]'s tensor after a broadcast from `src`."""
+    others = [r for r in range(len(holders)) if r not in (src, 0)]
+    if src != 0 and others and all(holders[r] == 0 for r in others):
+        return f"the ranks got rank 0's tensor, but the root is rank {src}: send from (and receive from) `src`, not 0"
+    receivers = [r for r in range(len(holders)) if r != src]
+    if rank != src and all(holders[r] == r for r in receivers):
+        return ("the receiving ranks still hold their own tensors: broadcast works in place - receive "
+                "into `tensor` itself (assigning a new tensor to the name does not change the caller's)")
+    if rank == src:
+        return "the root's own tensor must not change"
+    return f"receive from rank {src}, the root"
+
+
+def check_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
+    """Exact equality with dist.gather, to every destination, in the caller's own tensors."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for dst in range(world_size):
+        mine = blank_slots(inputs[rank], world_size) if rank == dst else None
+        theirs = blank_slots(inputs[rank], world_size) if rank == dst else None
+        slots = list(mine) if mine is not None else None  # the caller's tensors: they must be filled
+        run_watched(checks, "gather", lab.gather, inputs[rank].clone(), mine, dst, root=dst)
+        dist.gather(inputs[rank].clone(), theirs, dst)
+        if rank != dst:
+            checks.expect(True, "")
+            continue
+        wrong = [i for i in range(world_size) if not torch.equal(slots[i], theirs[i])]
+        if not wrong:
+            checks.expect(True, "")
+            continue
+        slot = wrong[0]
+        rebound = slots[slot] is not mine[slot] and torch.equal(mine[slot], theirs[slot])
+        if rebound:
+            hint = (f"gather_list[{slot}] was replaced by another tensor - fill the tensors the caller gave "
+                    f"you in place (gather_list[{slot}].copy_(...) or recv into it)")
+        elif who_holds(slots[slot], inputs).startswith("rank "):
+            other = who_holds(slots[slot], inputs).split()[1].rstrip("'s")
+            hint = (f"rank {other}'s tensor landed in slot {slot} - receive rank k's tensor into gather_list[k] "
+                    f"(the list is in rank order)")
+        elif slot == dst:
+            hint = f"the destination's own slot: copy your tensor into gather_list[{dst}]"
+        else:
+            hint = f"receive rank {slot}'s tensor into gather_list[{slot}] (the list is in rank order)"
+        checks.fail(f"gather to rank {dst} of {what}: gather_list[{slot}] holds "
+                    f"{who_holds(slots[slot], inputs)}, expected rank {slot}'s tensor: {hint}")
+
+
+def check_all_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
+    """Exact equality with dist.all_gather; and the ring's calls follow the rules."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine, theirs = blank_slots(inputs[rank], world_size), blank_slots(inputs[rank], world_size)
+    mistakes = run_watched(checks, "all_gather", lab.all_gather, mine, inputs[rank].clone(), ring=True)
+    dist.all_gather(theirs, inputs[rank].clone())
+    wrong = [i for i in range(world_size) if not torch.equal(mine[i], theirs[i])]
+    if not wrong:
+        checks.expect(True, "")
+        return
+    if mistakes:  # the values are wrong because of what was named above
+        return
+    slot = wrong[0]
+    if all((t == SENTINEL).all() for t in mine):  # nothing real ever entered the ring
+        hint = (f"every slot is empty: fill your own slot first (copy your tensor into "
+                f"tensor_list[{rank}]), then the ring passes it on")
+    elif wrong == [rank]:
+        hint = f"your own slot: copy your tensor into tensor_list[{rank}] first"
+    else:
+        hint = ("off by one? at each step a rank sends on the slot it received at the step before, and "
+                "what it receives from the left belongs in the left neighbour's previous slot")
+    checks.fail(f"all_gather of {what}: tensor_list[{slot}] holds "
+                f"{who_holds(mine[slot], inputs)}, expected rank {slot}'s tensor: {hint}")
+
+
+def main(me: Rank, checks: Checks) -> None:
+    world_size = dist.get_world_size()
+    case = 0
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            inputs = [rank_tensor(r, shape, dtype, case, me.device) for r in range(world_size)]
+            what = f"a {tuple(shape)} {str(dtype).replace('torch.', '')} tensor"
+            try:
+                check_broadcast(checks, inputs, what)
+                check_gather(checks, inputs, what)
+                check_all_gather(checks, inputs, what)
+            except Stop as stop:
+                checks.fail(str(stop))
+                return
+            case += 1
+            # the first case that fails on any rank tells enough: every rank stops together
+            failed = torch.tensor([len(checks.failures)], device=me.device)
+            dist.all_reduce(failed)
+            if failed.item():
+                return
+    print0(f"compared broadcast, gather and all_gather with torch.distributed's own: "
+           f"{len(SHAPES)} shapes x {len(DTYPES)} dtypes, every root, {world_size} ranks")
+
+
+def run(**learner) -> None:
+    """Check the lab's code: the lab file calls this with its functions and classes."""
+    vars(lab).update(learner)
+    # A short timeout: a send/recv that no rank matches fails in 10 s as a likely deadlock.
+    run_lab(main, title="Lab 03 (collectives)", timeout=timedelta(seconds=10))

@@ -1,0 +1,446 @@
+"""The check of lab 07 (syncbn): it runs the code of labs/07_syncbn.py and says what is wrong.
+
+You need not read it to do the lab. The lab file hands over its functions: `lab.X` below is the
+lab's X (this module never imports the lab).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringside import Checks, Rank, print0, run_lab
+from ringside.compare import max_diff
+
+lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
+
+
+# --- The self-check: compare with nn.BatchNorm2d on the whole global batch, in one process --------
+
+# EPS far above BatchNorm's default 1e-5, so that a misplaced or missing eps shows
+CHANNELS, SIZE, SEED, MOMENTUM, EPS = 3, 4, 7, 0.3, 0.1
+# Relative tolerance: float32 sums taken in another order than BatchNorm's; measured about 1e-7 apart
+# (1e-6 relative for weight gradients, sums of ~400 terms). Every classic mistake is off by 1e-3 or more.
+TOL = 1e-5
+
+
+def batch_sizes(world_size: int) -> list[int]:
+    """Unequal per-rank batches (2, 5, 8, 11 on 4 ranks): a mean of means would be wrong."""
+    return [2 + 3 * r for r in range(world_size)]
+
+
+def global_batch(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch and the upstream gradient, drawn from one seed: every rank makes the same."""
+    g = torch.Generator().manual_seed(SEED)
+    n = sum(batch_sizes(world_size))
+    x = 2.0 + 1.5 * torch.randn(n, CHANNELS, SIZE, SIZE, generator=g)
+    probe = torch.randn(n, CHANNELS, SIZE, SIZE, generator=g)  # loss = sum(output * probe)
+    return x, probe
+
+
+def my_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    sizes = batch_sizes(world_size)
+    start = sum(sizes[:rank])
+    return t[start:start + sizes[rank]]
+
+
+def make_bn(cls: type[nn.BatchNorm2d]) -> nn.BatchNorm2d:
+    bn = cls(CHANNELS, eps=EPS, momentum=MOMENTUM)
+    with torch.no_grad():  # weight and bias away from 1 and 0, so their mistakes show
+        bn.weight.copy_(torch.tensor([0.5, 1.5, -2.0]))
+        bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    return bn
+
+
+def reference(world_size: int) -> dict[str, torch.Tensor]:
+    """One process, nn.BatchNorm2d, the global batch: what every rank's part must equal."""
+    x, probe = global_batch(world_size)
+    x.requires_grad_(True)
+    bn = make_bn(nn.BatchNorm2d)
+    out = bn(x)
+    (out * probe).sum().backward()
+    return {"output": out.detach(), "running_mean": bn.running_mean, "running_var": bn.running_var,
+            "grad_input": x.grad, "grad_weight": bn.weight.grad, "grad_bias": bn.bias.grad}
+
+
+class AsyncWatch:
+    """While active, every dist.all_reduce(..., async_op=True) is noted with the phase it was made in
+    (forward, backward, ...) and whether its handle was waited on. The calls go through unchanged;
+    on leaving, the check waits on what the learner left pending, so no collective stays in flight."""
+
+    def __init__(self):
+        self.phase, self.notes = "", []
+
+    def __enter__(self):
+        self.original = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            work = self.original(tensor, *args, **kwargs)
+            if not kwargs.get("async_op", args[2] if len(args) > 2 else False) or work is None:
+                return work
+            note = {"phase": self.phase, "waited": False, "work": work}
+            self.notes.append(note)
+            return Watched(work, note)
+
+        dist.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, error_type, *exc):
+        dist.all_reduce = self.original
+        for note in self.notes:
+            if not note["waited"] and error_type is None:  # after an error, its report comes first
+                note["work"].wait()
+
+    def unwaited(self) -> list[str]:
+        phases = {note["phase"] for note in self.notes if not note["waited"]}
+        if "global_channel_stats" in phases:  # called from forward: forward's own finding is the same one
+            phases.discard("forward")
+        return sorted(phases)
+
+
+class Watched:
+    """An all_reduce's handle whose wait() (or get_future(), or a completed poll) is noted."""
+
+    def __init__(self, work, note: dict):
+        self.work, self.note = work, note
+
+    def wait(self, *args, **kwargs):
+        self.note["waited"] = True
+        return self.work.wait(*args, **kwargs)
+
+    def get_future(self):
+        self.note["waited"] = True
+        return self.work.get_future()
+
+    def is_completed(self) -> bool:
+        done = self.work.is_completed()
+        self.note["waited"] |= done
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def mine(rank: int, world_size: int, device: torch.device, watch: AsyncWatch) -> dict[str, torch.Tensor]:
+    """This rank's slice through HandSyncBatchNorm2d; weight/bias gradients summed over ranks."""
+    x, probe = global_batch(world_size)
+    x = my_slice(x, rank, world_size).to(device).requires_grad_(True)
+    probe = my_slice(probe, rank, world_size).to(device)
+    bn = make_bn(lab.HandSyncBatchNorm2d).to(device)
+    watch.phase = "forward"
+    out = bn(x)
+    watch.phase = "backward"
+    (out * probe).sum().backward()
+    watch.phase = "the check"
+    grads = torch.stack([bn.weight.grad, bn.bias.grad])
+    dist.all_reduce(grads, op=dist.ReduceOp.SUM)  # what DDP does (then divides by world size)
+    result = {"output": out, "running_mean": bn.running_mean, "running_var": bn.running_var,
+              "grad_input": x.grad, "grad_weight": grads[0], "grad_bias": grads[1]}
+    return {name: t.detach().cpu() for name, t in result.items()}
+
+
+def probe_stats(rank: int, world_size: int, device: torch.device, watch: AsyncWatch):
+    """global_channel_stats alone on this rank's slice: every rank calls it, whatever it finds later."""
+    x, _ = global_batch(world_size)
+    watch.phase = "global_channel_stats"
+    return lab.global_channel_stats(my_slice(x, rank, world_size).to(device))
+
+
+def stats_finding(result, rank: int, world_size: int) -> str | None:
+    """What is wrong with (count, mean, var) from global_channel_stats on this rank's slice; None if right."""
+    x, _ = global_batch(world_size)
+    part = my_slice(x, rank, world_size)
+    sizes, pixels = batch_sizes(world_size), SIZE * SIZE
+    n, n_mine = sum(sizes) * pixels, sizes[rank] * pixels
+    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    try:  # count may be one number or one per channel
+        count, got_mean, got_var = (torch.as_tensor(t).detach().float().cpu().expand(CHANNELS) for t in result)
+    except (TypeError, ValueError, RuntimeError):
+        return ("it must return (count, mean, var): count one number or one per channel, mean and var of shape "
+                f"(C,) = ({CHANNELS},)")
+    if not all(torch.isfinite(t).all() for t in (count, got_mean, got_var)):
+        return f"it returns NaN or inf (count {count.tolist()}) - a division by a zero count?"
+
+    def near(t, value) -> bool:
+        return close(t, torch.as_tensor(value, dtype=torch.float32).expand(CHANNELS))
+
+    said = (f"count {count[0].item():g}, mean off by {max_diff(got_mean, mean):.2e}, "
+            f"var off by {max_diff(got_var, var):.2e}")
+    if near(got_mean, part.mean((0, 2, 3))) and near(got_var, part.var((0, 2, 3), unbiased=False)):
+        return f"{said}: they are this rank's own statistics - are the statistics all_reduced?"
+    if near(got_mean, mean_of_means(world_size)):
+        return (f"{said}: the mean is the average of the ranks' means, but the batches have unequal sizes "
+                f"{sizes} - are you averaging means instead of weighting by count? all_reduce the count, the sum "
+                "and the sum of squares")
+    if not near(count, n):  # which wrong count it is (a wrong one can equal the right one elsewhere)
+        if near(count, n / world_size) and near(got_mean, mean):
+            return (f"{said}: count is the average of the ranks' counts ({n / world_size:g}), not their sum {n} - "
+                    "was it all_reduced with ReduceOp.AVG? all_reduce the count and the sums with SUM")
+        if near(count, sum(sizes)):
+            return (f"{said}: count is {sum(sizes)}, the number of images on all ranks, but each channel has "
+                    f"images x pixels = {sum(sizes)} x {pixels} = {n} values (the statistics run over the pixels "
+                    f"too, so the mean comes out {pixels}x too large) - count the values of a channel "
+                    "(x.numel() // channels), not the batch size")
+        if near(count, n * CHANNELS) or near(count, n_mine * CHANNELS):
+            return (f"{said}: count is all channels' values together (x.numel()), but each channel has its own "
+                    f"count: x.numel() // channels ({n} over all ranks)")
+        if near(count, n_mine):
+            return (f"{said}: count is this rank's {n_mine} values, not the {n} of all ranks - is the count "
+                    "all_reduced together with the sums?")
+        if near(count, sizes[rank]):
+            return (f"{said}: count is this rank's batch size {sizes[rank]} - count the values of a channel on all "
+                    f"ranks (images x pixels = {n}): x.numel() // channels, all_reduced with the sums")
+        return (f"{said}: count must be {n}, the values of a channel on all ranks "
+                f"({sum(sizes)} images x {pixels} pixels)")
+    if not near(got_mean, mean):
+        return f"{said}: the count is right but not the mean - mean = (sum over all ranks) / count"
+    if near(got_var, var * n / (n - 1)):
+        return (f"{said}: var is the unbiased variance - return the biased one (sum_sq / count - mean**2); "
+                "only running_var stores the unbiased one")
+    if near(got_var, var + mean * mean):
+        return f"{said}: var is the mean of the squares - subtract mean**2 (var = sum_sq / count - mean**2)"
+    if near(got_var, var.sqrt()):
+        return f"{said}: that is the standard deviation - return the variance"
+    if not near(got_var, var):
+        return f"{said}: var must be the biased variance over all ranks, sum_sq / count - mean**2"
+    return None
+
+
+def mean_of_means(world_size: int) -> torch.Tensor:
+    """The classic wrong global mean: every rank's own mean, averaged, whatever its batch size."""
+    x, _ = global_batch(world_size)
+    return torch.stack([my_slice(x, r, world_size).mean((0, 2, 3)) for r in range(world_size)]).mean(0)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to TOL relative to the size of b (gradients of weight and bias are sums of ~400 terms)."""
+    return max_diff(a, b) <= TOL * (1 + b.abs().max().item())
+
+
+def not_finite(got: dict) -> list[str]:
+    return [name for name, t in got.items() if not torch.isfinite(t).all()]
+
+
+def forward_variants(rank: int, world_size: int) -> dict[str, tuple[torch.Tensor, str]]:
+    """This rank's output as the classic forward mistakes compute it, each with its hint."""
+    x, _ = global_batch(world_size)
+    part = my_slice(x, rank, world_size)
+    weight, bias = make_bn(nn.BatchNorm2d).weight.detach(), make_bn(nn.BatchNorm2d).bias.detach()
+    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    n = x.numel() // CHANNELS
+
+    def out(m, inv):
+        per_channel = lab.per_channel
+        x_hat = (part - per_channel(m, part)) * per_channel(inv, part)
+        return x_hat * per_channel(weight, part) + per_channel(bias, part)
+
+    with torch.no_grad():
+        unsynced = make_bn(nn.BatchNorm2d)(part)
+    return {
+        "unsynced": (unsynced, "it equals BatchNorm on this rank's batch alone - are the statistics all_reduced?"),
+        "unbiased": (out(mean, torch.rsqrt(var * n / (n - 1) + EPS)),
+                     "it is normalized with the unbiased variance - normalize with the biased one (sum_sq / count - "
+                     "mean**2); only running_var stores the unbiased variance"),
+        "eps outside": (out(mean, 1 / (var.sqrt() + EPS)), "eps was added after the square root - "
+                                                           "x_hat = (x - mean) / sqrt(var + eps)"),
+        "no eps": (out(mean, torch.rsqrt(var)), "eps was left out - x_hat = (x - mean) / sqrt(var + eps)"),
+        "no affine": (out(mean, torch.rsqrt(var + EPS)) / lab.per_channel(weight, part)
+                      - lab.per_channel(bias / weight, part),
+                      "the output is x_hat without weight and bias - return x_hat * weight + bias"),
+    }
+
+
+MOMENTUM_SWAPPED = ("momentum is the weight of the new value: running = (1 - momentum) * running + "
+                    "momentum * batch statistic (PyTorch's convention, the opposite of an optimizer's)")
+
+
+def expect_buffer(checks: Checks, name: str, got: dict, ref: dict, hint: str) -> None:
+    """running_mean or running_var as BatchNorm on the global batch leaves it, else `hint`."""
+    checks.expect(close(got[name], ref[name]), f"{name} differs by {max_diff(got[name], ref[name]):.2e}: {hint}")
+
+
+def check_forward(checks: Checks, got: dict, ref: dict, rank: int, world_size: int) -> None:
+    expected = my_slice(ref["output"], rank, world_size)
+    if close(got["running_mean"], MOMENTUM * mean_of_means(world_size)):
+        hint = ("the mean is the average of the ranks' means, but the batches have unequal sizes "
+                f"{batch_sizes(world_size)} - are you averaging means instead of weighting by count? "
+                "all_reduce the count, the sum and the sum of squares")
+    else:
+        hint = next((h for t, h in forward_variants(rank, world_size).values() if close(got["output"], t)),
+                    "check mean = sum / count, var = sum_sq / count - mean**2 (biased), "
+                    "x_hat = (x - mean) / sqrt(var + eps)")
+    checks.expect(close(got["output"], expected), f"output differs from BatchNorm on the global batch by "
+                                                  f"{max_diff(got['output'], expected):.2e}: {hint}")
+    untouched = torch.equal(got["running_mean"], torch.zeros(CHANNELS)) and torch.equal(got["running_var"],
+                                                                                        torch.ones(CHANNELS))
+    if untouched:
+        checks.fail("running_mean and running_var still hold their initial 0 and 1: assigning "
+                    "`running_mean = ...` only rebinds a local name - update the buffers in place "
+                    "(running_mean.mul_(1 - momentum).add_(...), or .copy_())")
+        return
+    global_mean = ref["running_mean"] / MOMENTUM  # the reference started from 0
+    if close(got["running_mean"], (1 - MOMENTUM) * global_mean):
+        hint = MOMENTUM_SWAPPED
+    else:
+        hint = "running_mean = (1 - momentum) * running_mean + momentum * global mean"
+    expect_buffer(checks, "running_mean", got, ref, hint)
+    n = sum(batch_sizes(world_size)) * SIZE * SIZE
+    start = 1 - MOMENTUM  # what is left of the initial running_var of 1 after one step
+    unbiased = (ref["running_var"] - start) / MOMENTUM
+    biased = start + (ref["running_var"] - start) * (n - 1) / n
+    images = sum(batch_sizes(world_size))
+    own_counts = (batch_sizes(world_size)[rank] * SIZE * SIZE, batch_sizes(world_size)[rank])
+    if close(got["running_var"], biased):
+        hint = ("it matches the biased variance - BatchNorm stores the unbiased one in running_var: "
+                "multiply the variance by count / (count - 1) first")
+    elif any(close(got["running_var"], start + (biased - start) * c / (c - 1)) for c in own_counts):
+        hint = (f"the unbiased correction count / (count - 1) used this rank's count, not the global one ({n}) - "
+                "the unbiased correction must use the global count (all ranks' values, the all_reduced one)")
+    elif close(got["running_var"], start + (biased - start) * images / (images - 1)):
+        hint = (f"the unbiased correction count / (count - 1) used the number of images ({images}), not of values "
+                f"({n} = images x pixels) - use the global count of values per channel")
+    elif close(got["running_var"], MOMENTUM + (1 - MOMENTUM) * unbiased):
+        hint = MOMENTUM_SWAPPED
+    else:
+        hint = "running_var = (1 - momentum) * running_var + momentum * unbiased global variance"
+    expect_buffer(checks, "running_var", got, ref, hint)
+
+
+def stand_ins_for_x_hat(world_size: int) -> list[tuple[torch.Tensor, str]]:
+    """What a backward may have saved in place of x_hat (over the global batch), each with its hint."""
+    x, _ = global_batch(world_size)
+    bn = make_bn(nn.BatchNorm2d)
+    weight, bias = bn.weight.detach(), bn.bias.detach()
+    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    centred = x - lab.per_channel(mean, x)
+    x_hat = centred * lab.per_channel(torch.rsqrt(var + EPS), x)
+    return [
+        (x_hat * lab.per_channel(weight, x) + lab.per_channel(bias, x),
+         "backward used the output y = x_hat * weight + bias where x_hat belongs - save x_hat (the normalized "
+         "input, before weight and bias) for backward, not the returned output"),
+        (x, "backward used the input x where x_hat belongs - save x_hat = (x - mean) / sqrt(var + eps) for backward"),
+        (centred, "backward used x - mean where x_hat belongs - x_hat is (x - mean) / sqrt(var + eps): save that"),
+    ]
+
+
+def grad_input_variants(rank: int, world_size: int) -> dict[str, tuple[torch.Tensor, str]]:
+    """This rank's input gradient as the classic backward mistakes compute it, each with its hint."""
+    x, dy_all = global_batch(world_size)
+    weight = make_bn(nn.BatchNorm2d).weight.detach()
+    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    invstd = torch.rsqrt(var + EPS)
+    x_hat_all = (x - lab.per_channel(mean, x)) * lab.per_channel(invstd, x)
+    x_hat, dy = my_slice(x_hat_all, rank, world_size), my_slice(dy_all, rank, world_size)
+    big, mine = x.numel() // CHANNELS, dy.numel() // CHANNELS
+    dims = (0, 2, 3)
+    total_dy, total_dyx = dy_all.sum(dims), (dy_all * x_hat_all).sum(dims)
+    own_dy, own_dyx = dy.sum(dims), (dy * x_hat).sum(dims)
+
+    def grad(sum_dy, sum_dyx, count, scale=weight * invstd, mean_term=True, xhat_term=True):
+        g = dy.clone()
+        if mean_term:
+            g = g - lab.per_channel(sum_dy / count, dy)
+        if xhat_term:
+            g = g - x_hat * lab.per_channel(sum_dyx / count, dy)
+        return lab.per_channel(scale, dy) * g
+
+    missing = ("sum(dy) and sum(dy * x_hat) are this rank's only - is there an all_reduce missing in backward? "
+               "(or an all_reduce with async_op=True whose result is read before .wait()) Both must be summed over "
+               "every rank and divided by the global count")
+    stand_ins = {}
+    for z_all, hint in stand_ins_for_x_hat(world_size):
+        z = my_slice(z_all, rank, world_size)
+        per_channel = lab.per_channel
+        stand_ins[hint] = (per_channel(weight * invstd, dy) * (dy - per_channel(total_dy / big, dy)
+                                                               - z * per_channel((dy_all * z_all).sum(dims) / big, dy)),
+                           hint)
+    return {
+        **stand_ins,
+        "local sums": (grad(own_dy, own_dyx, big), missing),
+        "local sums, local count": (grad(own_dy, own_dyx, mine), missing),
+        "local count": (grad(total_dy, total_dyx, mine), "the sums are global but divided by this rank's count - "
+                        "divide by the global count (the all_reduced one)"),
+        "averaged": (grad(total_dy / world_size, total_dyx / world_size, big),
+                     "the sums were averaged over the ranks (ReduceOp.AVG?) - all_reduce them with SUM"),
+        "no weight": (grad(total_dy, total_dyx, big, scale=invstd), "the weight factor is missing - multiply by "
+                                                                    "weight * invstd"),
+        "no invstd": (grad(total_dy, total_dyx, big, scale=weight), "the 1 / sqrt(var + eps) factor is missing - "
+                                                                    "multiply by weight * invstd"),
+        "no mean term": (grad(total_dy, total_dyx, big, mean_term=False),
+                         "the term of the mean is missing - subtract sum(dy) / count"),
+        "no x_hat term": (grad(total_dy, total_dyx, big, xhat_term=False),
+                          "the term of the variance is missing - subtract x_hat * sum(dy * x_hat) / count"),
+        "plain": (grad(total_dy, total_dyx, big, mean_term=False, xhat_term=False),
+                  "that is the gradient as if mean and variance were constants - subtract sum(dy) / count and "
+                  "x_hat * sum(dy * x_hat) / count (both over the global batch)"),
+    }
+
+
+def check_backward(checks: Checks, got: dict, ref: dict, rank: int, world_size: int) -> None:
+    expected = my_slice(ref["grad_input"], rank, world_size)
+    if not close(got["output"], my_slice(ref["output"], rank, world_size)):
+        hint = "the output is wrong too: fix the forward first"
+    else:
+        hint = next((h for t, h in grad_input_variants(rank, world_size).values() if close(got["grad_input"], t)),
+                    "grad_x = weight * invstd * (dy - sum_dy / count - x_hat * sum_dy_xhat / count), with both "
+                    "sums over the global batch (read after the all_reduce has finished, if it is async_op=True)")
+    checks.expect(close(got["grad_input"], expected),
+                  f"the input gradient differs by {max_diff(got['grad_input'], expected):.2e}: {hint}")
+    if close(got["grad_weight"], ref["grad_bias"]) and close(got["grad_bias"], ref["grad_weight"]):
+        checks.fail("grad_weight and grad_bias are swapped: grad_weight = sum(dy * x_hat), grad_bias = sum(dy)")
+        return
+    for name in ("grad_weight", "grad_bias"):
+        _, dy = global_batch(world_size)
+        stand_in = [hint for z, hint in stand_ins_for_x_hat(world_size) if name == "grad_weight"
+                    and close(got[name], (dy * z).sum((0, 2, 3)))]
+        if close(got[name], world_size * ref[name]):
+            hint = (f"it is {world_size}x too large after summing over ranks - return this rank's own "
+                    f"sum, not the all_reduced one (DDP averages parameter gradients itself)")
+        elif stand_in:
+            hint = stand_in[0]
+        else:
+            hint = "grad_weight = sum(dy * x_hat), grad_bias = sum(dy), over this rank's values"
+        checks.expect(close(got[name], ref[name]), f"{name} (summed over ranks) differs from BatchNorm's by "
+                                                   f"{max_diff(got[name], ref[name]):.2e}: {hint}")
+
+
+def main(me: Rank, checks: Checks) -> None:
+    with AsyncWatch() as watch:  # every rank makes the same collective calls, before any verdict
+        got = mine(me.rank, me.world_size, me.device, watch)
+        stats = probe_stats(me.rank, me.world_size, me.device, watch)
+    ref = reference(me.world_size)
+    print0(f"per-rank batch sizes {batch_sizes(me.world_size)}, {CHANNELS} channels of {SIZE}x{SIZE}")
+    if watch.unwaited():  # its values depend on timing: no comparison can say more
+        checks.fail(f"an all_reduce with async_op=True in {' and '.join(watch.unwaited())} is never waited on: "
+                    "its result may not have arrived when you read it (ranks would see different values) - call "
+                    ".wait() on the handle it returns before using the tensor, or leave async_op out")
+        return
+    finding = stats_finding(stats, me.rank, me.world_size)
+    if not checks.expect(finding is None, "global_channel_stats on this rank's slice differs from the global "
+                                          f"batch's statistics: {finding}"):
+        return  # everything downstream depends on the statistics: name them first
+    expected_shapes = {name: tuple(my_slice(t, me.rank, me.world_size).shape if name in ("output", "grad_input")
+                                   else t.shape) for name, t in ref.items()}
+    wrong = [f"{name} {tuple(got[name].shape)} (expected {shape})" for name, shape in expected_shapes.items()
+             if tuple(got[name].shape) != shape]
+    if wrong:  # no comparison can run on tensors of another shape
+        checks.fail(f"wrong shapes: {', '.join(wrong)} - per-channel statistics have shape (C,), the output and "
+                    f"the input gradient the shape of x")
+        return
+    broken = not_finite(got)
+    if broken:  # NaN or inf is a finding of its own: no comparison can say more
+        checks.fail(f"{', '.join(broken)} hold NaN or inf, though global_channel_stats is right: a square root "
+                    f"of a negative number or a division by zero in forward or backward - is eps added to the "
+                    f"biased variance under the square root, and the count (not count - 1 of a count of 1) used?")
+        return
+    check_forward(checks, got, ref, me.rank, me.world_size)
+    check_backward(checks, got, ref, me.rank, me.world_size)
+
+
+def run(**learner) -> None:
+    """Check the lab's code: the lab file calls this with its functions and classes."""
+    vars(lab).update(learner)
+    run_lab(main, title="Lab 07 (syncbn)")

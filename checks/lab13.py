@@ -1,0 +1,564 @@
+"""The check of lab 13 (sharding): it runs the code of labs/13_sharding.py and says what is wrong.
+
+You need not read it to do the lab. The lab file hands over its functions: `lab.X` below is the
+lab's X (this module never imports the lab).
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ringside import Checks, Rank, print0, run_lab
+from ringside.compare import all_gather_tensor, flat_grads, flat_params, max_diff
+
+lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
+
+
+# --- The check ------------------------------------------------------------------------------------
+
+# What each collective sends per rank on a ring, as a fraction of the whole tensor S it works on
+# (chapter 04): all-reduce 2(N-1)/N * S; reduce-scatter and all-gather (N-1)/N * S each.
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter",
+               "all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast", "reduce")
+
+
+def _whole_bytes(args, kwargs) -> int:
+    """The size of the whole tensor that a collective works on: its largest argument (a list counts
+    as the sum of its tensors)."""
+    sizes = []
+    for arg in list(args) + list(kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            sizes.append(arg.numel() * arg.element_size())
+        elif isinstance(arg, (list, tuple)) and arg and all(isinstance(t, torch.Tensor) for t in arg):
+            sizes.append(sum(t.numel() * t.element_size() for t in arg))
+    return max(sizes, default=0)
+
+
+@contextmanager
+def counting_collectives():
+    """Inside the block, every collective called through torch.distributed is recorded as
+    (name, bytes of the whole tensor). Calls made inside a recorded call are not counted again."""
+    calls, depth = [], [0]
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                calls.append((name, _whole_bytes(args, kwargs)))
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, counted(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def ring_bytes_sent(calls, world_size: int) -> float:
+    """Bytes each rank sends for these calls if every collective runs as a ring."""
+    share = (world_size - 1) / world_size
+    return sum((2 * share if name == "all_reduce" else share) * size for name, size in calls)
+
+
+def everyone(ok: bool, device: torch.device) -> bool:
+    """True when `ok` holds on every rank: all ranks then go on to the next check together."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def check_flatten(checks: Checks, me: Rank) -> bool:
+    # 13 elements need padding at 2, 3 and 4 ranks; 3 * world_size elements need none, which is
+    # where padding "up to world_size" instead of "up to the next multiple" shows.
+    for sizes in ((7, 5, 1), (2 * me.world_size, me.world_size)):
+        if not flattens_right(checks, me, sizes):
+            return False
+    return True
+
+
+def flattens_right(checks: Checks, me: Rank, sizes: tuple[int, ...]) -> bool:
+    tensors = [torch.arange(1.0, n + 1.0, device=me.device).reshape(-1) for n in sizes]
+    flat = lab.flatten_padded(tensors, me.world_size).cpu()
+    real = torch.cat([t.cpu() for t in tensors])
+    total = real.numel()
+    want = -(-total // me.world_size) * me.world_size
+    if flat.numel() != want:
+        why = ("a multiple of world_size, but pad only up to the NEXT one (no zeros when the total already is one: "
+               "missing = -total % world_size)" if flat.numel() % me.world_size == 0
+               else "pad with zeros so that every shard has the same size (reduce-scatter and all-gather need equal chunks)")
+        return checks.expect(False, f"flatten_padded of {total} elements at {me.world_size} ranks returned "
+                                    f"{flat.numel()} elements, expected {want}: {why}")
+    ok = torch.equal(flat[:total], real)
+    checks.expect(ok, "flatten_padded changed the order or the values: the tensors must come first, flattened, in order")
+    pad_ok = bool((flat[total:] == 0).all())
+    checks.expect(pad_ok, "flatten_padded's padding is not zeros: use zeros (torch.empty holds garbage, "
+                          "and garbage can be NaN)")
+    return ok and pad_ok
+
+
+def check_shard_range(checks: Checks, me: Rank) -> bool:
+    ok = True
+    for numel in (985, 13, me.world_size * 5):
+        mine = tuple(int(v) for v in lab.shard_range(numel, me.rank, me.world_size))
+        ranges = [None] * me.world_size
+        dist.all_gather_object(ranges, mine)
+        size = -(-numel // me.world_size)
+        padded = size * me.world_size
+        expected = [(r * size, (r + 1) * size) for r in range(me.world_size)]
+        if ranges == expected:
+            continue
+        ok = False
+        covered = [0] * max([padded] + [stop for _, stop in ranges])
+        for start, stop in ranges:
+            for i in range(max(start, 0), max(stop, 0)):
+                covered[i] += 1
+        skipped = [i for i in range(numel) if covered[i] == 0]
+        repeated = [i for i in range(len(covered)) if covered[i] > 1]
+        if sorted(ranges) == expected:
+            swapped = next(r for r in range(me.world_size) if ranges[r] != expected[r])
+            checks.fail(f"shard_range({numel}): rank {swapped} took the shard {ranges[swapped]}, which belongs to rank "
+                        f"{expected.index(ranges[swapped])} - wrong shard for this rank: reduce-scatter hands rank r "
+                        f"the r-th chunk, {expected[swapped]}")
+        elif repeated:
+            checks.fail(f"shard_range({numel}): the shards repeat elements (element {repeated[0]} lies in two shards) - "
+                        f"rank r's shard is [r * size, (r + 1) * size), the stop excluded")
+        elif skipped:
+            checks.fail(f"shard_range({numel}) at {me.world_size} ranks: the shards skip {len(skipped)} element(s) "
+                        f"(the first is {skipped[0]}) - round the shard size UP (the padding makes room), "
+                        f"size = ceil({numel} / {me.world_size}) = {size}")
+        elif ranges[:-1] == expected[:-1] and ranges[-1] == (expected[-1][0], numel):
+            checks.fail(f"shard_range({numel}): the last shard stops at {numel}, cut short - the shards split the "
+                        f"PADDED vector ({padded} elements), so every shard has {size} elements, the last one too "
+                        f"(reduce-scatter hands out equal chunks)")
+        elif len({stop - start for start, stop in ranges}) == 1 and ranges[0][1] - ranges[0][0] > size:
+            checks.fail(f"shard_range({numel}) at {me.world_size} ranks: the shards have {ranges[0][1] - ranges[0][0]} "
+                        f"elements, more than ceil({numel} / {me.world_size}) = {size} - numel // world_size + 1 "
+                        f"overshoots when numel is a multiple of world_size: size = -(-numel // world_size)")
+        else:
+            checks.fail(f"shard_range({numel}) gave {ranges}, expected {expected}: equal shards in rank order")
+        break
+    return ok
+
+
+def check_average(checks: Checks, me: Rank) -> bool:
+    n = -(-37 // me.world_size) * me.world_size
+    torch.manual_seed(lab.SEED)
+    everyones = torch.randn(me.world_size, n)  # rank r's gradient is row r: the check knows them all
+    with counting_collectives() as calls:
+        shard = lab.average_grad_shard(everyones[me.rank].to(me.device)).cpu()
+    size = n // me.world_size
+    expected = everyones.mean(dim=0)[me.rank * size:(me.rank + 1) * size]
+    names = [name for name, _ in calls]
+    if "all_reduce" in names:
+        extra = ring_bytes_sent(calls, me.world_size) - ring_bytes_sent([("reduce_scatter_single", n * 4)], me.world_size)
+        checks.fail(f"average_grad_shard called all_reduce: it sends 2(N-1)/N of the gradient from each rank "
+                    f"({extra:.0f} bytes more here than one reduce-scatter) and leaves every rank the whole "
+                    f"average - ZeRO uses reduce-scatter, so each rank receives only the shard it updates")
+        return False
+    if not any(name.startswith("reduce_scatter") for name in names):
+        checks.fail(f"average_grad_shard made no reduce-scatter (calls seen: {names or 'none'}): every rank must "
+                    f"receive the average of its own shard of the gradient - dist.reduce_scatter_single")
+        return False
+    if shard.shape != expected.shape:
+        return checks.expect(False, f"average_grad_shard returned {tuple(shard.shape)} elements, expected this rank's "
+                                    f"shard of {size} (the padded length / world_size)")
+    if torch.isnan(shard).any():
+        return checks.expect(False, "average_grad_shard returned NaN")
+    # Tolerance: the same sums in another order, float32: about 1e-7 relative; 1e-5 absolute on values of about 1.
+    gap = max_diff(shard, expected)
+    if gap <= 1e-5:
+        return checks.expect(True, "")
+    ratio = float(shard @ expected / (expected @ expected))  # the scale of what came back
+    if abs(ratio - me.world_size) < 0.01:
+        checks.fail(f"the gradient shard is {me.world_size}x the average: it is the sum - average it "
+                    f"(op=dist.ReduceOp.AVG). Adam hardly notices the scale of its gradient, so the "
+                    f"training check alone would miss this")
+    elif abs(ratio - 1 / me.world_size) < 0.01:
+        checks.fail(f"the gradient shard is 1/{me.world_size} of the average - averaged twice (ReduceOp.AVG and "
+                    f"a division by world_size)? Adam hardly notices the scale, so training alone would miss it")
+    else:
+        checks.fail(f"average_grad_shard differs from the average of the ranks' gradient shards by {gap:.2e} "
+                    f"(tolerance 1e-5): is it this rank's shard, rank r taking the r-th chunk?")
+    return False
+
+
+def check_adam(checks: Checks, me: Rank) -> bool:
+    """Your adam_update against torch.optim.Adam on one tensor, for three steps: the moments first,
+    then the weights."""
+    torch.manual_seed(lab.SEED + 1)
+    # Gradients from 1e-6 to 1 in size: where grad**2 is as small as eps, eps's place in the formula shows.
+    scale = 10.0 ** torch.linspace(-6, 0, 50)
+    start, grads = torch.randn(50), [torch.randn(50) * scale for _ in range(3)]
+    reference = nn.Parameter(start.clone())
+    adam = torch.optim.Adam([reference], lr=lab.LR, betas=lab.BETAS, eps=lab.EPS)
+    param = start.clone().to(me.device)
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    for t, grad in enumerate(grads, start=1):
+        reference.grad = grad.clone()
+        adam.step()
+        before = param.cpu().clone()  # .cpu() of a CPU tensor is that tensor, which adam_update moves
+        lab.adam_update(param, grad.to(me.device), exp_avg, exp_avg_sq, t, lab.LR, lab.BETAS, lab.EPS)
+        if torch.isnan(param).any():
+            return checks.expect(False, f"adam_update made NaN at step {t}: is the bias correction 1 - beta**t "
+                                        f"with t >= 1 (1 - beta**0 = 0)?")
+        state = adam.state[reference]
+        wrong = moments_mistake(exp_avg.cpu(), exp_avg_sq.cpu(), state, scale, t)
+        if wrong:
+            return checks.expect(False, wrong)
+        # Tolerance: the same formula in float32, perhaps in another order: about 1e-7 relative on
+        # weights of about 1; a wrong formula moves them by about LR = 1e-2.
+        gap = max_diff(param.cpu(), reference.detach())
+        if gap > 1e-6:
+            return checks.expect(False, f"adam_update differs from torch.optim.Adam by {gap:.2e} after step {t} "
+                                        f"(tolerance 1e-6): {update_mistake(before, param.cpu(), state, t)}")
+    return checks.expect(True, "")
+
+
+def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
+    """What is wrong with the moments after step t, or None when they are torch.optim.Adam's."""
+    # Tolerance: 1e-5 relative to the element's own size and its gradient's (float32 rounding is
+    # about 1e-7 of the terms added, even where they nearly cancel).
+    def near(mine, theirs, size):
+        return bool(((mine - theirs).abs() <= 1e-5 * (theirs.abs() + size)).all())
+
+    untouched = [name for name, m in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)) if not m.any()]
+    if untouched:
+        return (f"after adam_update {' and '.join(untouched)} still hold zeros: `exp_avg = ...` makes a new tensor "
+                f"the optimizer never sees - update the moments in place (exp_avg.lerp_, exp_avg_sq.mul_().addcmul_)")
+    why = "the moments keep the raw averages: the bias correction goes into the step only, not into them"
+    if not near(exp_avg, state["exp_avg"], scale):
+        return (f"exp_avg differs from torch.optim.Adam's after step {t}: exp_avg = beta1 * exp_avg + (1 - beta1) * "
+                f"grad, beta1 = betas[0] = {lab.BETAS[0]} ({why})")
+    if not near(exp_avg_sq, state["exp_avg_sq"], scale ** 2):
+        return (f"exp_avg_sq differs from torch.optim.Adam's after step {t}: exp_avg_sq = beta2 * exp_avg_sq + "
+                f"(1 - beta2) * grad * grad, beta2 = betas[1] = {lab.BETAS[1]} ({why})")
+    return None
+
+
+def update_mistake(before, after, state, t: int) -> str:
+    """Which known wrong update of the weights turns `before` into `after`, from the right moments."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    correction1, correction2 = 1 - lab.BETAS[0] ** t, (1 - lab.BETAS[1] ** t) ** 0.5
+    known = (
+        ("adam_update did not move param: `param = ...` rebinds the name only - move it in place "
+         "(param.addcdiv_ or param.sub_)", before),
+        ("the bias correction is missing: divide the step by 1 - beta1**t and sqrt(v) by sqrt(1 - beta2**t)",
+         before - lab.LR * m / (v.sqrt() + lab.EPS)),
+        ("the step goes uphill: subtract the update from param (value=-step_size), do not add it",
+         before + lab.LR / correction1 * m / (v.sqrt() / correction2 + lab.EPS)),
+        ("eps belongs outside the square root: sqrt(v / (1 - beta2**t)) + eps",
+         before - lab.LR / correction1 * m / (v / correction2 ** 2 + lab.EPS).sqrt()),
+        ("add eps after the bias correction: sqrt(v) / sqrt(1 - beta2**t) + eps, not (sqrt(v) + eps) / sqrt(...)",
+         before - lab.LR / correction1 * m / ((v.sqrt() + lab.EPS) / correction2)),
+    )
+    for why, then in known:
+        if max_diff(after, then) <= 1e-6:
+            return why
+    return "compare your update with the formulas of torch.optim.Adam (in the hints)"
+
+
+def check_gather(checks: Checks, me: Rank) -> bool:
+    """Each rank's shard holds (rank + 1) * 1000 + position: after gather_params the parameters must
+    hold every rank's shard, in rank order, on every rank."""
+    shapes = [(3, 4), (5,), (2,)]  # 19 elements: padded at 2, 3 and 4 ranks
+    params = [nn.Parameter(torch.zeros(s, device=me.device)) for s in shapes]
+    size = -(-19 // me.world_size)
+    shard = torch.arange(size, dtype=torch.float32, device=me.device) + (me.rank + 1) * 1000
+    expected = torch.cat([torch.arange(size, dtype=torch.float32) + (r + 1) * 1000 for r in range(me.world_size)])[:19]
+    with counting_collectives() as calls:
+        try:
+            lab.gather_params(shard, params)
+        except RuntimeError as error:
+            text = str(error).strip().splitlines()[0]
+            hint = (" - strip the padding: keep the first numel elements of the gathered vector before splitting"
+                    if "split" in text
+                    else " - copy_ needs the parameter's shape: reshape each slice first (new.view_as(p))"
+                    if "must match the size" in text
+                    else " - strip the padding: keep the first numel elements, split them by the parameters' numel()"
+                    if "size" in text or "shape" in text else "")
+            return checks.expect(False, f"gather_params raised RuntimeError: {text}{hint}")
+    got = flat_params(nn.ParameterList(params))
+    if not any(name.startswith("all_gather") for name, _ in calls):
+        return checks.expect(False, f"gather_params made no all-gather (calls seen: {[n for n, _ in calls] or 'none'}): "
+                                    f"each rank updated only its own shard, the others stay stale - all-gather "
+                                    f"the updated shards (dist.all_gather_single)")
+    if torch.equal(got, expected):
+        return checks.expect(True, "")
+    if torch.equal(got[-19:], torch.cat([expected, expected])[-19 - (size * me.world_size - 19):][:19]):
+        return checks.expect(False, "gather_params took the wrong end of the gathered vector: the padding sits "
+                                    "at the END, keep the first numel elements")
+    return checks.expect(False, f"after gather_params rank {me.rank}'s parameters are not every rank's shard in rank "
+                                f"order (first difference at element {int((got != expected).nonzero()[0])}): "
+                                f"all-gather the shards, drop the padding at the end, copy in parameter order")
+
+
+def state_bytes(optimizer, params) -> int:
+    """Bytes of every tensor the optimizer holds, the model's own parameters left out (they are
+    not the optimizer's)."""
+    theirs = {id(p) for p in params}
+    found, seen = 0, set()
+
+    def visit(value):
+        nonlocal found
+        if isinstance(value, torch.Tensor):
+            if id(value) not in theirs and id(value) not in seen:
+                seen.add(id(value))
+                found += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    visit(vars(optimizer))
+    return found
+
+
+def check_state(checks: Checks, me: Rank, optimizer: lab.ShardedAdam, params, adam_bytes: int) -> bool:
+    """Your optimizer's state against torch.optim.Adam's two moments (measured on the DDP reference)."""
+    mine = state_bytes(optimizer, params)
+    shard = optimizer.stop - optimizer.start
+    everyone_bytes = [None] * me.world_size
+    dist.all_gather_object(everyone_bytes, mine)
+    print0(f"optimizer state per rank: {everyone_bytes} bytes; torch.optim.Adam under DDP: {adam_bytes} bytes "
+           f"on every rank (ratio {everyone_bytes[0] / adam_bytes:.3f}, 1/N = {1 / me.world_size:.3f})")
+    # About 1/N: the two moments of one shard; the padding adds at most N - 1 elements per moment.
+    ok = mine * me.world_size <= adam_bytes + 2 * 4 * me.world_size * (me.world_size - 1) and mine > 0
+    if not ok and mine >= adam_bytes:
+        return checks.expect(False, f"your optimizer holds {mine} bytes on this rank, as much as Adam for the whole "
+                                    f"model ({adam_bytes}): keep exp_avg and exp_avg_sq for this rank's shard "
+                                    f"only ({shard} elements each), not for all parameters")
+    if not checks.expect(ok, f"your optimizer holds {mine} bytes on this rank; about 1/{me.world_size} of Adam's "
+                             f"{adam_bytes} is expected (two moments of {shard} elements)"):
+        return False
+    wrong = moments_shape_mistake(optimizer, shard)
+    return checks.expect(wrong is None, wrong or "")
+
+
+def moments_shape_mistake(optimizer: lab.ShardedAdam, shard: int) -> str | None:
+    """What is wrong with the moments ShardedAdam created (two tensors of one shard each), or None."""
+    moments = {name: getattr(optimizer, name, None) for name in ("exp_avg", "exp_avg_sq")}
+    if not all(isinstance(m, torch.Tensor) for m in moments.values()):
+        return None  # named otherwise: the step will say what is missing
+    if moments["exp_avg"].untyped_storage().data_ptr() == moments["exp_avg_sq"].untyped_storage().data_ptr():
+        return ("exp_avg and exp_avg_sq are one tensor: `a = b = torch.zeros(...)` (or b = a) makes one, and "
+                "each moment's update then overwrites the other - create two (torch.zeros_like)")
+    for name, m in moments.items():
+        if m.numel() != shard:
+            return (f"{name} has {m.numel()} elements, but this rank's shard has {shard} (stop - start, the padded "
+                    f"shard, rounded up): create the moments with stop - start elements")
+    return None
+
+
+def train_both(checks: Checks, me: Rank) -> None:
+    """DDP + torch.optim.Adam and your ShardedAdam, step by step on the same batches."""
+    reference = DDP(lab.make_model().to(me.device), device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    adam = torch.optim.Adam(reference.parameters(), lr=lab.LR, betas=lab.BETAS, eps=lab.EPS)
+    model = lab.make_model().to(me.device)
+    optimizer = lab.ShardedAdam(model.parameters())
+    params = list(model.parameters())
+    for step, (x, y) in enumerate(lab.batches(me.rank, me.world_size, me.device), start=1):
+        adam.zero_grad()
+        F.cross_entropy(reference(x), y).backward()  # DDP averages the gradients
+        adam.step()
+        if step == 1:  # Adam's state exists now; yours since __init__
+            adam_bytes = sum(s[k].numel() * s[k].element_size() for s in adam.state.values()
+                             for k in ("exp_avg", "exp_avg_sq"))
+            if not everyone(check_state(checks, me, optimizer, params, adam_bytes), me.device):
+                return
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()      # this rank's gradient only: your step averages
+        before = flat_params(model)
+        with counting_collectives() as calls, recording_adam_updates(optimizer.stop - optimizer.start) as updates:
+            try:
+                optimizer.step()
+            except WrongShardSize as error:
+                checks.fail(f"step {step}: {error}")
+                return
+            except ZeroDivisionError as error:  # in Python floats, 1 - beta**0 = 0 divides by zero
+                checks.fail(f"step {step} raised ZeroDivisionError ({error}): Adam's bias correction "
+                            f"1 - beta**t is 0 for t = 0 - count the step before the update (the first step has t = 1)")
+                return
+        if step == 1:
+            check_traffic(checks, me, calls, optimizer.numel)
+        mine = flat_params(model)
+        if torch.isnan(mine).any():
+            checks.fail(f"the weights are NaN after step {step}: Adam's bias correction 1 - beta**t is 0 for "
+                        f"t = 0 - count the step before the update (the first step has t = 1)")
+            return
+        wrong = step_mistake(me, optimizer, model, reference, step, before, calls, updates)
+        if not everyone(wrong is None, me.device):
+            if wrong:
+                checks.fail(wrong)
+            return
+        copies = all_gather_tensor(mine.to(me.device))
+        if any(max_diff(mine, c.cpu()) > 0 for c in copies):
+            checks.fail(f"after step {step} the ranks' weights differ: every rank must end the step with every "
+                        f"rank's updated shard - the all-gather is missing or writes to the wrong places")
+            return
+        # Tolerance: the gradients are averaged in another order (float32, about 1e-7 relative) and
+        # Adam divides by sqrt(v): each step moves a weight by at most about LR = 1e-2, and a rounding
+        # difference changes that by far less than 1e-6 per step (measured: 0 at 2 ranks, 3e-8 at 4
+        # after 6 steps). A real mistake moves weights by about LR.
+        gap = max_diff(mine, flat_params(reference))
+        if gap > 1e-5:
+            later = (f"; it matched until step {step - 1}: does the bias correction use the right step "
+                     f"count t = 1, 2, 3, ... (ShardedAdam.steps is {optimizer.steps})?" if step > 1
+                     else ": check the slice [start:stop] you update and the shard you average")
+            checks.fail(f"after step {step} the weights differ from DDP + torch.optim.Adam by {gap:.2e} "
+                        f"(tolerance 1e-5){later}")
+            return
+    checks.expect(optimizer.steps == lab.STEPS, f"ShardedAdam.steps is {optimizer.steps} after {lab.STEPS} steps: "
+                  f"count every step (Adam's bias correction needs it)")
+    print0(f"{lab.STEPS} steps: weights equal to DDP + torch.optim.Adam to within 1e-5 on {me.world_size} ranks")
+
+
+class WrongShardSize(Exception):
+    """adam_update was handed tensors that are not one shard, on some rank: every rank raises it."""
+
+
+@contextmanager
+def recording_adam_updates(shard: int):
+    """Inside the block, every call of adam_update through its global name (as ShardedAdam.step
+    calls it) is recorded as {"param", "grad", "t"} (param as it was before the update), then run.
+    When its tensors are not `shard` elements long on some rank, every rank raises WrongShardSize
+    instead: a crash on one rank alone would leave the others waiting in the all-gather."""
+    namespace = lab.adam_update.__globals__  # the lab's own globals, where ShardedAdam.step looks it up
+    calls, original = [], namespace["adam_update"]
+    signature = inspect.signature(original)
+
+    def recorded(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, shard_size_mistake(bound, shard))  # not a counted collective
+        wrong = next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
+        if wrong:
+            raise WrongShardSize(wrong)
+        calls.append({"param": bound["param"].detach().cpu().clone(), "grad": bound["grad"].detach().cpu().clone(),
+                      "t": bound["t"]})
+        return original(*args, **kwargs)
+
+    namespace["adam_update"] = recorded
+    try:
+        yield calls
+    finally:
+        namespace["adam_update"] = original
+
+
+def shard_size_mistake(arguments: dict, shard: int) -> str | None:
+    """What is wrong with the sizes of the tensors handed to adam_update, or None when all are one shard."""
+    tensors = {name: arguments.get(name) for name in ("param", "grad", "exp_avg", "exp_avg_sq")}
+    if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        return None  # adam_update itself will say what it cannot use
+    sizes = {name: t.numel() for name, t in tensors.items()}
+    if set(sizes.values()) == {shard}:
+        return None
+    padded = shard * dist.get_world_size()
+    if sizes["param"] != shard:
+        whole = "all the flattened parameters" if sizes["param"] == padded else f"{sizes['param']} parameters"
+        return (f"step gave adam_update {whole}, but this rank's shard has {shard}: update only the shard, "
+                f"[start:stop] of the flattened parameters (the gradient and the moments are one shard)")
+    if sizes["grad"] != shard:
+        fix = ("reduce-scatter it with average_grad_shard" if sizes["grad"] == padded
+               else "average_grad_shard already returns this rank's shard - do not slice it again")
+        return f"step gave adam_update a gradient of {sizes['grad']} elements, the shard has {shard}: {fix}"
+    return (f"adam_update got moments of {sizes['exp_avg']} and {sizes['exp_avg_sq']} elements for a shard of "
+            f"{shard}: create them with stop - start elements")
+
+
+def padded_shard(flat: torch.Tensor, numel_padded: int, start: int, stop: int) -> torch.Tensor:
+    """[start:stop] of `flat` padded with zeros to numel_padded elements (built here, not with your flatten_padded)."""
+    return torch.cat([flat, flat.new_zeros(numel_padded - flat.numel())])[start:stop]
+
+
+def step_mistake(me: Rank, optimizer: lab.ShardedAdam, model: nn.Module, reference: nn.Module, step: int,
+                 before: torch.Tensor, calls, updates) -> str | None:
+    """What ShardedAdam.step did wrong, from what it handed adam_update and the collectives, or None.
+    The weights matched DDP's until this step, so DDP's averaged gradient is the one to expect."""
+    padded = -(-optimizer.numel // me.world_size) * me.world_size
+    start, stop = optimizer.start, optimizer.stop
+    if len(updates) == 1:  # the step as the TODO asks (one adam_update on the shard); else nothing to compare
+        wrong = update_arguments_mistake(me, updates[0], step, padded_shard(before, padded, start, stop),
+                                         padded_shard(flat_grads(reference), padded, start, stop),
+                                         padded_shard(flat_grads(model), padded, start, stop), start, stop)
+        if wrong:
+            return wrong
+    if max_diff(flat_params(model), before) == 0:
+        if not any(name.startswith("all_gather") for name, _ in calls):
+            return (f"step {step} left the weights unchanged and made no all-gather: flatten_padded returns a copy, "
+                    f"so adam_update moved only that copy - gather_params(param_shard, params) after adam_update")
+        return (f"step {step} left the weights unchanged: gather_params must send the shard AFTER adam_update "
+                f"moved it (flatten_padded returns a copy: the parameters change only through the all-gather)")
+    return None
+
+
+def update_arguments_mistake(me: Rank, update: dict, step: int, param: torch.Tensor, average: torch.Tensor,
+                             local: torch.Tensor, start: int, stop: int) -> str | None:
+    """What is wrong with the parameter shard, the gradient shard and the t that step handed to adam_update."""
+    if update["t"] != step:
+        after = " - count the step before the update" if update["t"] == step - 1 else ""
+        return (f"step {step} called adam_update with t = {update['t']}: does the bias correction use the right "
+                f"step count? t is this step's number, 1, 2, 3, ...{after}")
+    mine = update["param"]
+    if mine.shape != param.shape or not torch.equal(mine, param):
+        return (f"after step {step} the weights differ from DDP + torch.optim.Adam: step gave adam_update "
+                f"{mine.numel()} parameters that are not this rank's shard [{start}:{stop}] of the flattened "
+                f"parameters - update the same slice as the gradient shard")
+    grad = update["grad"]
+    # Tolerance: the same average summed in another order, float32: about 1e-7 relative.
+    if max_diff(grad, average) <= 1e-5 * (1 + average.abs().max().item()):
+        return None
+    if torch.equal(grad, local) and me.world_size > 1:
+        return (f"step {step} gave adam_update this rank's own gradient, not the average over the ranks: "
+                f"reduce-scatter it with average_grad_shard(flatten_padded(grads)) and pass that shard")
+    ratio = float(grad @ average / (average @ average))
+    if abs(ratio - 1 / me.world_size) < 0.01:
+        return (f"the gradient shard step gave adam_update is 1/{me.world_size} of the average - averaged twice: "
+                f"average_grad_shard already averages, do not divide by world_size again in step")
+    if abs(ratio - me.world_size) < 0.01:
+        return (f"the gradient shard step gave adam_update is {me.world_size}x the average: it is the sum - "
+                f"pass what average_grad_shard returns, not multiplied by world_size")
+    return (f"step {step} gave adam_update a gradient that is not this rank's shard [{start}:{stop}] of the "
+            f"averaged gradient: average_grad_shard of the whole padded gradient returns exactly that shard")
+
+
+def check_traffic(checks: Checks, me: Rank, calls, numel: int) -> None:
+    """One step's collectives should send, per rank, what one all-reduce of the gradients sends."""
+    padded = -(-numel // me.world_size) * me.world_size * 4
+    sent, all_reduce = ring_bytes_sent(calls, me.world_size), ring_bytes_sent([("all_reduce", padded)], me.world_size)
+    print0(f"one step's collectives: {[name for name, _ in calls]}, {sent:.0f} bytes sent per rank on a ring; "
+           f"one all-reduce of the padded gradient: {all_reduce:.0f}")
+    # Exact: byte counts, no rounding.
+    checks.expect(sent <= all_reduce, f"one step hands the collectives {sent:.0f} bytes per rank on a ring, more than "
+                                      f"one all-reduce of the gradient ({all_reduce:.0f}): reduce-scatter the "
+                                      f"gradient and all-gather the parameters, nothing more "
+                                      f"(calls: {[name for name, _ in calls]})")
+
+
+def main(me: Rank, checks: Checks) -> None:
+    for check in (check_flatten, check_shard_range, check_average, check_adam, check_gather):
+        if not everyone(check(checks, me), me.device):
+            return
+    train_both(checks, me)
+
+
+def run(**learner) -> None:
+    """Check the lab's code: the lab file calls this with its functions and classes."""
+    vars(lab).update(learner)
+    run_lab(main, title="Lab 13 (sharding)")
