@@ -1,8 +1,8 @@
 """Data-parallel training with DDP and torchrun: a template to copy and adapt to your own model.
 
 Plain PyTorch, the standard library and tqdm: nothing from the course. The parts you replace for your
-own work are `build_datasets`, `build_model`, `loss_fn` and (maybe) `build_optimizer`; see
-template/README.md. Everything else (the process group, sharding, mixed precision, accumulation,
+own work are `build_datasets`, `build_model`, `loss_fn`, `metric_sums` with `BEST_METRIC`, and
+(maybe) `build_optimizer`; see template/README.md. Everything else (the process group, sharding, mixed precision, accumulation,
 exact evaluation, checkpoints, resume, SIGTERM) works as is on CPUs (gloo) and GPUs (nccl).
 
 One machine (1 process, or one per GPU / 4 CPU processes):
@@ -17,7 +17,8 @@ Two machines, c10d rendezvous (the same command on both; survives a crashed rank
 Slurm: template/train_ddp.sbatch. On several machines --out must be a folder that every machine sees.
 
 Run the same command again and it resumes from OUT/checkpoint.pt if there is one (a new --out starts
-afresh). `kill -TERM` (Slurm's preemption signal) saves a checkpoint at the next step and exits.
+afresh; changed settings are refused). `kill -TERM` (Slurm's preemption signal) saves a checkpoint
+within two steps and exits.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import os
 import random
 import signal
 import sys
+import time
+import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -40,13 +43,42 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 from tqdm import tqdm
 
 log = logging.getLogger("train_ddp")
 
 
 # --- Distributed setup: everything about processes and devices, in one place ---------------------
+
+
+def attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """A key-value store that only this attempt's processes use, for init_process_group.
+
+    A plain launch starts a new store each time. But across restarts, torchrun keeps ONE store for
+    the whole job (TORCHELASTIC_USE_AGENT_STORE), and the processes of a crashed attempt leave their
+    keys and addresses in it: a restarted rank could read a dead address. Numbering the attempts does
+    not work: torchrun's own count (TORCHELASTIC_RESTART_COUNT) differs between machines, and a count
+    of the processes that joined goes wrong for good once a process dies before joining. So rank 0
+    starts a store of this attempt's own on a free port and posts the port in the job's store; a rank
+    that reads a dead attempt's port cannot connect to it, and reads again."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    job_store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if rank == 0:  # rank 0 runs on the machine that hosts the job's store (MASTER_ADDR)
+        own = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        job_store.set("train_ddp/attempt_store_port", str(own.port))
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        own_port = int(job_store.get("train_ddp/attempt_store_port"))  # waits until rank 0 posted one
+        try:
+            return dist.TCPStore(host, own_port, world_size, is_master=False, timeout=timedelta(seconds=5))
+        except dist.DistError:  # a dead attempt's port: rank 0 of this attempt has not posted yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
@@ -70,16 +102,7 @@ def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     else:  # (another accelerator: put its backend here, e.g. "xccl" for XPU)
         device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=timeout_s)
-    # torchrun keeps ONE key-value store for the whole job, restarts included, and the processes of
-    # a crashed attempt leave their addresses in it: a restarted rank could read a dead address.
-    # So each attempt gets keys of its own. Its number cannot come from TORCHELASTIC_RESTART_COUNT
-    # (torchrun counts restarts per machine, and machines disagree): every process counts itself in
-    # once, and the attempt is the count divided by the world size - the same on every machine.
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
-    attempt = (store.add("train_ddp/joined", 1) - 1) // world_size
-    store = dist.PrefixStore(f"train_ddp/attempt_{attempt}", store)
+    store = attempt_store(rank, world_size, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
     return rank, world_size, device
@@ -145,11 +168,25 @@ def build_model() -> nn.Module:
         return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
 
     return nn.Sequential(*block(1, 16), *block(16, 32), nn.MaxPool2d(2), *block(32, 32),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(32, 10))
 
 
-def loss_fn(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(outputs, labels)
+def loss_fn(outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The training loss; evaluate() calls it with reduction="sum". A language model's (B, T, V)
+    logits: F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction=reduction)."""
+    return F.cross_entropy(outputs, targets, reduction=reduction)
+
+
+def metric_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums over one validation batch that add up over batches and ranks; evaluate() divides each by
+    the total "count" (samples, tokens or pixels: whatever one target is). Here: accuracy for any
+    outputs whose dimension 1 holds the classes, one label per sample or per pixel."""
+    return {"loss": loss_fn(outputs.float(), targets, reduction="sum"),
+            "accuracy": (outputs.argmax(1) == targets).sum(), "count": torch.tensor(targets.numel())}
+
+
+# The validation metric that picks best.pt, and its direction (a language model: "loss", False).
+BEST_METRIC, HIGHER_IS_BETTER = "accuracy", True
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace, total_steps: int):
@@ -203,10 +240,11 @@ def settle_bucket_order(model: DDP, batch) -> None:
     That moves gradients to other places in the all-reduce, and with 3 or more ranks the sums then
     round differently in the last bit: a resumed run would drift from an uninterrupted one. Doing it
     here, in every run, makes every real step use the same buckets. (eval(): BatchNorm's running
-    statistics stay as they are.)"""
-    images, labels = batch
+    statistics stay as they are and dropout draws nothing.)"""
+    inputs, targets = batch
+    device = next(model.parameters()).device
     model.eval()
-    loss_fn(model(images.to(next(model.parameters()).device)), labels.to(next(model.parameters()).device)).backward()
+    loss_fn(model(inputs.to(device)), targets.to(device)).backward()
     model.zero_grad(set_to_none=True)
     model.train()
 
@@ -226,7 +264,8 @@ def weights_sha256(model: nn.Module) -> str:
 @torch.no_grad()
 def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, device: torch.device,
              args: argparse.Namespace, amp_dtype) -> dict:
-    """Exact loss and accuracy over the validation set; each rank takes indices rank, rank + W, ...
+    """Exact metrics over the validation set (metric_sums, added over every batch and rank, each
+    divided by the total count); each rank takes indices rank, rank + W, ...
 
     (DistributedSampler would pad the last round with duplicates.) Takes the bare network, not the
     DDP wrapper: ranks may run different numbers of batches, and DDP's forward talks to the others."""
@@ -234,17 +273,20 @@ def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, devic
     net.eval()
     mine = Subset(val_set, range(rank, len(val_set), world_size))
     loader = DataLoader(mine, batch_size=args.batch_size, num_workers=0, pin_memory=device.type == "cuda")
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    totals: dict[str, torch.Tensor] = {}
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            outputs = net(images)
-        sums[0] += F.cross_entropy(outputs.float(), labels, reduction="sum").double()
-        sums[1] += (outputs.argmax(1) == labels).sum()
-        sums[2] += len(labels)
+            outputs = net(inputs)
+        for name, value in metric_sums(outputs, targets).items():
+            totals[name] = totals.get(name, 0) + value.detach().double().to(device)
+    names = sorted(totals)  # the same order on every rank (main() checks that each rank has a sample)
+    sums = torch.stack([totals[n] for n in names])
     dist.all_reduce(sums)
     net.train(was_training)
-    return {"loss": (sums[0] / sums[2]).item(), "accuracy": (sums[1] / sums[2]).item(), "count": int(sums[2])}
+    total = dict(zip(names, sums.tolist()))
+    count = total.pop("count")
+    return {**{n: v / count for n, v in total.items()}, "count": int(count)}
 
 
 # --- Training ----------------------------------------------------------------------------------------------
@@ -254,6 +296,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="DDP training with torchrun (see the docstring for commands)")
     p.add_argument("--out", default="runs/train_ddp", help="checkpoints and results (default: %(default)s)")
     p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in all")
     p.add_argument("--batch-size", type=int, default=32, help="per process and micro-batch")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=0.1)
@@ -265,15 +308,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=50, help="optimizer steps between checkpoints")
-    p.add_argument("--log-every", type=int, default=20,
-                   help="optimizer steps between log lines (and checks for SIGTERM)")
+    p.add_argument("--log-every", type=int, default=20, help="optimizer steps between log lines")
     p.add_argument("--timeout-s", type=float, default=600,
                    help="how long a collective may wait for the other ranks before failing")
     p.add_argument("--pretrained", default=None, help="initial weights (ignored when resuming)")
-    p.add_argument("--fail-at-step", type=int, default=None,
-                   help="testing: --fail-rank kills itself (SIGKILL) before this step, once per --out")
+    p.add_argument("--fail-at-step", type=int, action="append", default=[],
+                   help="testing: --fail-rank kills itself (SIGKILL) before this step, once per --out; -1: "
+                        "before it joins the process group (may be given several times)")
     p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--step-delay", type=float, default=0, help="testing: sleep this long in every step (a slow model)")
     return p.parse_args(argv)
+
+
+# Settings a resume must keep: they change the arithmetic of the steps still to come. (More --epochs
+# or --max-steps are fine: the schedule is rebuilt for the new total. Another number of processes is
+# fine at the same global batch, processes x --batch-size x --accum, but not bit for bit.)
+KEPT_ON_RESUME = ("seed", "lr", "clip_grad", "amp", "sync_bn")
+
+
+def resume_problems(saved: dict, args: argparse.Namespace, world_size: int) -> list[str]:
+    """Why a checkpoint written with settings `saved` cannot go on with these; [] if it can."""
+    problems = [f"--{k.replace('_', '-')} was {saved[k]}, now {getattr(args, k)}"
+                for k in KEPT_ON_RESUME if k in saved and saved[k] != getattr(args, k)]
+    global_batch = world_size * args.batch_size * args.accum
+    if "global_batch" in saved and saved["global_batch"] != global_batch:
+        problems.append(f"the global batch (processes x --batch-size x --accum) was {saved['global_batch']}, "
+                        f"now {global_batch}")
+    return problems
+
+
+def ensure_writable(out: Path) -> None:
+    """Refuse an output folder that cannot be written now, not after the first epoch's training."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        raise SystemExit(f"--out {out}: cannot write there ({error.strerror or error}); "
+                         f"choose a folder you can write to") from None
 
 
 def pick_amp(choice: str, device: torch.device) -> torch.dtype | None:
@@ -302,15 +375,26 @@ def request_stop(signum, frame) -> None:
     STOP_REQUESTED = True  # acted on at the next step boundary, where the state is consistent
 
 
+def fail_once_if_asked(args: argparse.Namespace, out: Path, rank: int, step: int) -> None:
+    """Testing: the crash that --fail-at-step asks for, once per --out (whatever restarts follow)."""
+    if step in args.fail_at_step and rank == args.fail_rank:
+        marker = out / f".failed_at_step_{step}"
+        if not marker.exists():
+            marker.touch()
+            print(f"rank {rank}: killing myself (SIGKILL) before step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     args = parse_args()
+    out = Path(args.out)
+    ensure_writable(out)  # every process, before any waits for another
+    fail_once_if_asked(args, out, int(os.environ.get("RANK", 0)), step=-1)  # testing: a start-up crash
     rank, world_size, device = setup_distributed(args.timeout_s)
     is_main = rank == 0
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, stream=sys.stdout,
                         format=f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
     signal.signal(signal.SIGTERM, request_stop)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     # Reproducible: the same seed gives the same initial weights, data order and augmentation.
     random.seed(args.seed)
@@ -319,6 +403,8 @@ def main() -> None:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
     train_set, val_set = build_datasets(args.seed)
+    if len(val_set) < world_size:
+        raise SystemExit(f"{len(val_set)} validation samples for {world_size} processes: each needs one at least")
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                         num_workers=args.workers, pin_memory=device.type == "cuda",
@@ -329,6 +415,8 @@ def main() -> None:
     if steps_per_epoch == 0:
         raise SystemExit(f"an epoch has fewer than {args.accum} batches of {args.batch_size} per process")
     total_steps = steps_per_epoch * args.epochs
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
 
     net = build_model()
     if args.pretrained:
@@ -346,19 +434,37 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
 
     ckpt, best_path = out / "checkpoint.pt", out / "best.pt"
-    step, best_acc = 0, -1.0  # step: optimizer steps done
+    settings = {**{k: getattr(args, k) for k in KEPT_ON_RESUME},
+                "global_batch": world_size * args.batch_size * args.accum, "world_size": world_size}
+    step, best = 0, None  # step: optimizer steps done; best: the best value of BEST_METRIC so far
     # Resume if a checkpoint exists. Rank 0 looks and tells the others, so that all ranks decide alike.
     found = torch.tensor([ckpt.exists()], dtype=torch.int32, device=device)
     dist.broadcast(found, src=0)
     if found.item():
         state = torch.load(ckpt, map_location=device, weights_only=True)  # FileNotFoundError: --out not shared
+        saved = state.get("settings", {})
+        problems = resume_problems(saved, args, world_size)
+        if problems:
+            raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
+                             f"the old ones, or start afresh with a new --out")
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        step, best_acc = state["step"], state["best_acc"]
+        step, best = state["step"], state.get("best")
+        if step >= total_steps:
+            log.info("%s is at step %d, and this run has %d steps in all: nothing to do (more --epochs or "
+                     "--max-steps go on)", ckpt, step, total_steps)
+        # The schedule is rebuilt for this run's total_steps (more epochs are fine), not restored:
+        # step it to where the run is. (It moves the learning rate only: no optimizer step here.)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
+            for _ in range(min(step, total_steps)):
+                scheduler.step()
         if len(state["rng"]) == world_size:
             set_rng_state(state["rng"][rank], device)
+        else:
+            log.warning("resumed with %d processes instead of %d (same global batch): the data order is the "
+                        "same, the ranks' random streams are not", world_size, len(state["rng"]))
         log.info("resumed from %s at step %d (epoch %d)", ckpt, step, step // max(1, steps_per_epoch))
 
     def save_checkpoint() -> None:
@@ -366,30 +472,31 @@ def main() -> None:
         dist.all_gather_object(rngs, rng_state(device))  # every rank's generators (e.g. for dropout)
         if is_main:
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                         "step": step, "best_acc": best_acc, "rng": rngs}, ckpt)
+                         "scaler": scaler.state_dict(), "step": step, "best": best, "rng": rngs,
+                         "settings": settings}, ckpt)
 
-    settle_bucket_order(model, next(iter(DataLoader(val_set, batch_size=2))))
+    # Two validation samples, batched without a DataLoader: iterating one draws from the global
+    # random generator, which a resumed run has just restored.
+    settle_bucket_order(model, default_collate([val_set[0], val_set[1 % len(val_set)]]))
     log.info("%d process(es), backend %s, device %s, autocast %s, %d steps of %d x %d x %d samples",
              world_size, dist.get_backend(), device.type, amp_dtype, total_steps, world_size,
              args.accum, args.batch_size)
     bar = tqdm(total=total_steps, initial=step, unit="step", disable=True if not is_main else None)
     stopped = False
+    # SIGTERM may reach one rank only, and all must stop at the same step: every step all-reduces the
+    # ranks' stop flags, without waiting, and reads the sum one step later (no pause for the GPU).
+    stop_votes, stop_work = None, None
     while step < total_steps and not stopped:
         epoch, done_in_epoch = divmod(step, steps_per_epoch)
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        loader.generator.manual_seed(args.seed * 100_003 + epoch)  # workers' seeds: the same on a resume
         train_set.epoch = epoch  # the augmentation's epoch (workers get a fresh copy each epoch)
         sampler.skip = done_in_epoch * args.accum * args.batch_size  # mid-epoch resume
         model.train()
         micro_batches = iter(loader)
-        for _ in range(done_in_epoch, steps_per_epoch):
-            if args.fail_at_step == step and rank == args.fail_rank:
-                marker = out / f".failed_at_step_{step}"  # die only once, whatever restarts follow
-                if not marker.exists():
-                    marker.touch()
-                    log.warning("rank %d: killing myself (SIGKILL) before step %d", rank, step)
-                    logging.shutdown()
-                    os.kill(os.getpid(), signal.SIGKILL)
+        for _ in range(done_in_epoch, min(steps_per_epoch, done_in_epoch + total_steps - step)):
+            fail_once_if_asked(args, out, rank, step)
+            time.sleep(args.step_delay)
             loss_sum = torch.zeros((), device=device)
             for k in range(args.accum):
                 images, labels = next(micro_batches)
@@ -409,38 +516,44 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update()
-            if step % args.log_every and step % args.checkpoint_every:
-                continue  # no .item() here: the CPU runs ahead of the GPU between these points
-            # Every few steps, one small all-reduce: the mean loss for the log, and whether any rank
-            # got SIGTERM (all ranks must agree to stop at the same step).
-            flags = torch.stack([loss_sum.float(), torch.tensor(float(STOP_REQUESTED), device=device)])
-            dist.all_reduce(flags)
+            if stop_work is not None:
+                stop_work.wait()
+                if stop_votes.item() > 0:  # some rank got SIGTERM before the step before this one
+                    save_checkpoint()
+                    log.info("SIGTERM: saved %s at step %d; run the same command to resume", ckpt, step)
+                    stopped = True
+                    break
+            stop_votes = torch.tensor([float(STOP_REQUESTED)], device=device)
+            stop_work = dist.all_reduce(stop_votes, async_op=True)
             if step % args.log_every == 0:
-                log.info("step %d/%d  loss %.4f  lr %.4f", step, total_steps, flags[0].item() / world_size,
+                mean_loss = loss_sum.float()
+                dist.all_reduce(mean_loss)
+                log.info("step %d/%d  loss %.4f  lr %.3g", step, total_steps, mean_loss.item() / world_size,
                          scheduler.get_last_lr()[0])
-            if flags[1].item() > 0:
-                save_checkpoint()
-                log.info("SIGTERM: saved %s at step %d; run the same command to resume", ckpt, step)
-                stopped = True
-                break
             if step % args.checkpoint_every == 0 and step % steps_per_epoch != 0:  # (epoch ends save below)
                 save_checkpoint()
         if stopped:
             break
-        if step % steps_per_epoch == 0:  # an epoch ended: validate, keep the best, checkpoint
+        if step % steps_per_epoch == 0 or step == total_steps:  # validate, keep the best, checkpoint
+            if stop_work is not None:
+                stop_work.wait()  # (a vote still in flight would meet evaluate's all-reduce)
+                stop_work = None
             val = evaluate(model.module, val_set, rank, world_size, device, args, amp_dtype)
-            log.info("epoch %d: val loss %.4f, accuracy %.4f", step // steps_per_epoch, val["loss"], val["accuracy"])
-            if val["accuracy"] > best_acc:
-                best_acc = val["accuracy"]
+            log.info("step %d (epoch %.2f): validation %s", step, step / steps_per_epoch,
+                     ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
+            value = val[BEST_METRIC]
+            if best is None or (value > best if HIGHER_IS_BETTER else value < best):
+                best = value
                 if is_main:
-                    save_atomic({"model": model.module.state_dict(), "step": step, "accuracy": best_acc}, best_path)
+                    save_atomic({"model": model.module.state_dict(), "step": step, BEST_METRIC: best}, best_path)
             save_checkpoint()
     bar.close()
 
     if not stopped:
         val = evaluate(model.module, val_set, rank, world_size, device, args, amp_dtype)
         digest = weights_sha256(model.module)
-        log.info("final: val accuracy %.4f, loss %.4f, weights sha256 %s", val["accuracy"], val["loss"], digest[:16])
+        log.info("final: validation %s, weights sha256 %s",
+                 ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"), digest[:16])
         if is_main:
             save_atomic(model.module.state_dict(), out / "final.pt")
             result = {**val, "step": step, "world_size": world_size, "weights_sha256": digest}
