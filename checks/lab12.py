@@ -38,21 +38,45 @@ class RecordedWork:
         return getattr(self.work, name)
 
 
+def _lab_namespaces() -> list[dict]:
+    """The global namespaces of the lab's code: where `from torch.distributed import all_reduce`
+    put its own name for the function."""
+    spaces = []
+    for value in vars(lab).values():
+        functions = [value] + ([f for f in vars(value).values() if callable(f)] if isinstance(value, type) else [])
+        for function in functions:
+            space = getattr(function, "__globals__", None)  # a decorator's wrapper has its own module's: skipped
+            if (space is not None and space.get("__name__") == getattr(function, "__module__", None)
+                    and all(space is not known for known in spaces)):
+                spaces.append(space)
+    return spaces
+
+
 @contextmanager
 def recording_all_reduce(events: list) -> Iterator[None]:
-    """Replace dist.all_reduce for the block by one that notes every launch in `events`."""
-    real = dist.all_reduce
+    """For the block, every all-reduce - through torch.distributed, the module it comes from, or a
+    name the lab imported directly - notes ("launch", elements, async?, a copy of the buffer) in
+    `events`; an async one returns a Work that notes its wait."""
+    from torch.distributed import distributed_c10d as c10d
+    real = c10d.all_reduce
 
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        events.append(("launch", tensor.numel(), async_op))
-        work = real(tensor, op=op, group=group, async_op=async_op)
-        return RecordedWork(work, events) if async_op else work
+    def all_reduce(tensor, *args, **kwargs):
+        async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+        events.append(("launch", tensor.numel(), async_op, tensor.detach().clone()))
+        work = real(tensor, *args, **kwargs)
+        return RecordedWork(work, events) if async_op and work is not None else work
 
-    dist.all_reduce = all_reduce
+    places = [(vars(dist), "all_reduce"), (vars(c10d), "all_reduce")]
+    places += [(space, name) for space in _lab_namespaces() for name, value in list(space.items())
+               if value is real or value is dist.all_reduce]
+    saved = [(space, name, space[name]) for space, name in places]
+    for space, name, _ in saved:
+        space[name] = all_reduce
     try:
         yield
     finally:
-        dist.all_reduce = real
+        for space, name, original in saved:
+            space[name] = original
 
 
 def record_gradient_ready(model: nn.Module, events: list) -> None:
@@ -116,8 +140,10 @@ def check_async(checks: Checks, events: list, rank: int) -> None:
                     f"hook, so backward waits for the network: launch it asynchronously and wait later")
 
 
-def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> bool:
-    """Read the recorded order of events, window by window. False at the first finding."""
+def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], rank: int) -> bool:
+    """Read the recorded order of events, window by window: `buckets` are the lab's buckets
+    (make_buckets, already checked) and `sizes` their element counts. False at the first finding."""
+    n_buckets = len(buckets)
     windows, current = [], []
     for event in events:
         if event[0] == "window end":
@@ -151,7 +177,7 @@ def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> boo
         if len(launches) != n_buckets:
             hint = (" - the last backward of a window must run outside no_sync(), with sync on again"
                     if not launches and w == 1 else
-                    " - are the per-bucket ready counts reset, and self.launched with them, after each window?"
+                    " - does the hook start again from bucket 0 in every window (is all of its state reset after each window)?"
                     if w > 1 else "")
             checks.fail(f"rank {rank}, window {w}: {len(launches)} all-reduces on the last micro-batch, expected one "
                         f"per bucket ({n_buckets}){hint}")
@@ -168,16 +194,30 @@ def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> boo
                             f"outside no_sync(), with sync on again")
             elif w > 1:
                 checks.fail(f"rank {rank}, window {w}: every all-reduce started after backward ended, though "
-                            f"window 1's overlapped - are the per-bucket ready counts reset after each window?")
+                            f"window 1's overlapped - is what the hook counts (gradients arrived per bucket) reset "
+                            f"after each window?")
             else:
                 checks.fail(f"rank {rank}, window {w}: every all-reduce started after the last gradient was ready - "
-                            f"nothing overlaps backward: launch a bucket from the hook as soon as it is full (and its turn "
-                            f"has come), counting each gradient in its own bucket, self.bucket_of[index]")
+                            f"nothing overlaps backward: launch a bucket from the hook as soon as all of its gradients "
+                            f"have arrived (and its turn has come) - is each gradient counted in the bucket that holds it?")
             return False
+        launched = [last[i][1] for i in launches]
+        if launched != sizes:
+            checks.fail(f"rank {rank}, window {w}: the all-reduces had {launched} elements, but the buckets in index "
+                        f"order have {sizes}: all-reduce each bucket as one buffer, bucket 0 first")
+            return False
+        for k, i in enumerate(launches):
+            arrived = {e[1] for e in last[:i] if e[0] == "ready"}
+            early = [index for index in buckets[k] if index not in arrived]
+            if early and any(e[0] == "ready" for e in last[i:]):  # launched during backward, too soon
+                checks.fail(f"rank {rank}, window {w}: bucket {k} was all-reduced before the gradient(s) of its "
+                            f"parameter(s) {early} had arrived - a bucket is complete only once every gradient it "
+                            f"holds is ready: count each gradient in the bucket that holds it")
+                return False
         if len(waits) != n_buckets:
             checks.fail(f"rank {rank}, window {w}: waited {len(waits)} times for {n_buckets} all-reduces - "
                         + ("never waited: call work.wait() on every pending all-reduce before the step"
-                           if not waits else "empty the pending list after each window"))
+                           if not waits else "forget the all-reduces already waited on after each window (empty the pending list)"))
             return False
         if not steps:
             checks.fail(f"rank {rank}, window {w}: optimizer.step() was never called at the end of the window")
@@ -187,6 +227,21 @@ def check_events(checks: Checks, events: list, n_buckets: int, rank: int) -> boo
                         f"call finish_gradient_sync() before optimizer.step()")
             return False
     return checks.expect(len(windows) == lab.WINDOWS, f"rank {rank}: {len(windows)} windows trained, expected {lab.WINDOWS}")
+
+
+def check_contents(checks: Checks, events: list, buckets: list, local: list, world_size: int, rank: int) -> bool:
+    """What each all-reduce of window 1 carried: bucket k's gradients accumulated over the window on
+    this rank (`local`), in any order, or those divided by the world size (DDP divides first)."""
+    launched = [e[3] for e in events[:[e[0] for e in events].index("window end")] if e[0] == "launch"]
+    for k, (sent, bucket) in enumerate(zip(launched, buckets)):
+        want = torch.cat([local[i].reshape(-1) for i in bucket]).sort().values
+        got = sent.reshape(-1).sort().values.to(want.device)
+        if not any(torch.allclose(got, w, rtol=1e-5, atol=1e-7) for w in (want, want / world_size)):
+            checks.fail(f"rank {rank}, window 1: the all-reduce of bucket {k} did not carry this rank's gradients of "
+                        f"parameters {bucket} (summed over the window's micro-batches) - fill the buffer from their "
+                        f".grad tensors at launch, zeros for a missing one")
+            return False
+    return True
 
 
 def check_gradients(checks: Checks, names: list[str], mine: list, reference: list, local: list,
@@ -240,7 +295,7 @@ def check_weights(checks: Checks, model: nn.Module, reference: torch.Tensor, ran
     gap = max_diff(mine, reference)
     checks.expect(gap <= 1e-5, f"after {lab.WINDOWS} steps the weights differ from DDP's by {gap:.2e} (tolerance "
                                f"1e-5), although the first window's gradients matched - are the gradients zeroed "
-                               f"after each step, and is each window's pending list fresh?")
+                               f"after each step, and does each window start with no all-reduce left over from the last?")
 
 
 class Probe(nn.Module):
@@ -291,7 +346,8 @@ def check_probe(checks: Checks, me: Rank) -> bool:
                     f"None - it counts as zeros in its bucket, and gets the averaged slice as a new .grad")
         return False
     launched = [e[1] for e in events if e[0] == "launch"]
-    sizes = [sum(hand.params[i].numel() for i in bucket) for bucket in hand.buckets]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    sizes = [sum(trainable[i].numel() for i in bucket) for bucket in lab.make_buckets(trainable, PROBE_CAP)]
     if len(launched) < len(sizes):
         missing = [b for b, size in enumerate(sizes) if size not in launched]
         checks.fail(f"rank {me.rank}: on a model with a layer forward never uses, bucket(s) {missing} of "
@@ -324,7 +380,7 @@ def check_probe(checks: Checks, me: Rank) -> bool:
     launches = sum(e[0] == "launch" for e in events)
     return checks.expect(launches == 0, f"rank {me.rank}: a forward inside no_sync() and its backward outside it "
                                         f"launched {launches} all-reduce(s); DDP launches none - it decides at the "
-                                        f"forward. The hook must read self.reduce_this_backward, which forward() "
+                                        f"forward. The hook must obey self.reduce_this_backward, which forward() "
                                         f"sets, not self.sync")
 
 
@@ -364,7 +420,8 @@ def main(me: Rank, checks: Checks) -> None:
     if not check_buckets(checks, params, buckets):
         return
     hand = lab.HandDDP(model)
-    print0(f"{len(params)} parameters in {len(hand.buckets)} buckets: {hand.buckets}")
+    sizes = [sum(params[i].numel() for i in bucket) for bucket in buckets]
+    print0(f"{len(params)} parameters in {len(buckets)} buckets: {buckets}")
     grads = []
 
     def grab():
@@ -378,14 +435,18 @@ def main(me: Rank, checks: Checks) -> None:
     check_async(checks, events, me.rank)
     # The gradients are compared only when the order of events is right: a step taken before the
     # wait, say, would also show up as wrong gradients, and the first finding is the one to fix.
-    if (check_events(checks, events, len(hand.buckets), me.rank)
+    if (check_events(checks, events, buckets, sizes, me.rank)
+            and check_contents(checks, events, buckets, own_grads, me.world_size, me.rank)
             and check_gradients(checks, names, grads, ref_grads, own_grads, me.world_size, me.rank)):
         check_weights(checks, model, ref_weights, me.rank)
     if checks.passed:  # right on the lab's model: now on one unlike it
         check_probe(checks, me)
     launches = sum(e[0] == "launch" for e in events)
     print0(f"{lab.WINDOWS} steps of {lab.ACCUM} micro-batches: {launches} all-reduces on rank 0 "
-           f"({len(hand.buckets)} per step; without no_sync, {lab.ACCUM * len(hand.buckets)} per step)")
+           f"({len(buckets)} per step; without no_sync, {lab.ACCUM * len(buckets)} per step)")
+    print0(f"(torch's DDP launches {1 + (lab.WINDOWS - 1) * len(buckets)} for the same schedule with {len(buckets)} "
+           f"buckets, as in chapter 12's check-yourself: its first communicating backward puts every gradient in "
+           f"one bucket and only then rebuilds, while HandDDP has its buckets from the start)")
 
 
 def run(**learner) -> None:

@@ -77,14 +77,13 @@ class HandDDP(nn.Module):
         with torch.no_grad():  # every rank starts from rank 0's state, as DDP does: weights and buffers
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=0)
-        self.buckets = make_buckets(self.params, bucket_cap)
-        self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
-        self.ready = [0] * len(self.buckets)  # how many gradients of each bucket have arrived
-        self.launched = 0                     # buckets launched in this backward: 0, 1, ... in order
-        self.pending = []                     # (work, flat buffer, bucket) of launched all-reduces
+        self.buckets = make_buckets(self.params, bucket_cap)  # lists of indices into self.params
         self.sync = True                      # False inside no_sync()
-        self.reduce_this_backward = True      # decided at each forward: was sync on?
+        self.reduce_this_backward = True      # decided at each forward: was sync on? (the hooks obey this)
         self.sync_buffers = True              # broadcast rank 0's buffers at the next forward?
+        # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
+        # TODO: set up the state that your gradient hook, launch_bucket and finish_gradient_sync share to track one backward's buckets - you design it
+        raise NotImplementedError("the TODO above")
         for index, p in enumerate(self.params):
             # Called by autograd right after p.grad has been accumulated during backward.
             p.register_post_accumulate_grad_hook(lambda p, index=index: self.on_gradient_ready(index))
@@ -103,26 +102,36 @@ class HandDDP(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Inside this block, forward-and-backward only accumulates gradients locally: no communication."""
         # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
-        # TODO: switch self.sync off for the block and back on afterwards (even if the block raises)
+        # TODO: make every forward inside the block one whose backward stays local, and sync on again afterwards, even if the block raises
         raise NotImplementedError("the TODO above")
 
     def on_gradient_ready(self, index: int) -> None:
-        """Runs inside backward when self.params[index].grad is ready. Must return at once."""
-        # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
-        # TODO: if this backward reduces (self.reduce_this_backward), count this gradient in its bucket, then launch every complete bucket whose turn has come - buckets go out in index order only
+        """Autograd calls this inside backward, once self.params[index].grad holds this backward's
+        gradient. The contract: in a backward whose forward ran with sync on (self.reduce_this_backward),
+        each bucket is handed to launch_bucket exactly once, as soon as all of its gradients have
+        arrived - but never before every lower-numbered bucket, so all ranks issue the same
+        all-reduces in the same order; in a backward that does not reduce, nothing happens. Must
+        return at once: never wait for communication here."""
+        # (stuck? `make hint CH=12` prints hint 1 of 3; run it again for the next)
+        # TODO: in a reducing backward, hand every bucket to launch_bucket once, as soon as it is complete, in bucket index order only; return at once, never wait
         raise NotImplementedError("the TODO above")
 
     def launch_bucket(self, bucket: int) -> None:
-        """Start the sum over ranks of bucket `bucket`'s gradients, and return without waiting."""
+        """Start the sum over all ranks of bucket `bucket`'s gradients - one all-reduce of one flat
+        buffer, a parameter without a .grad counting as zeros - and return without waiting for it,
+        keeping whatever finish_gradient_sync will need to wait for it and read the result."""
         # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
-        # TODO: flatten the bucket's gradients into one new buffer (zeros for a parameter without a gradient), launch an async all-reduce (sum) of it, and keep (work, buffer, bucket) in self.pending
+        # TODO: start one asynchronous all-reduce (sum) of the bucket's gradients, zeros for a missing one, and remember it for finish_gradient_sync; never wait here
         raise NotImplementedError("the TODO above")
 
     def finish_gradient_sync(self) -> None:
-        """Call after the last backward of a window, before optimizer.step(): afterwards every
-        reduced parameter's .grad holds the average of that gradient over all ranks."""
-        # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
-        # TODO: launch the buckets not launched yet (in order), wait for every pending all-reduce, divide its buffer by the world size (once), put the averaged slices into each parameter's .grad, and reset the bookkeeping for the next backward
+        """Call after the last backward of a window (one that reduced), before optimizer.step().
+        The contract: when it returns, every bucket has been all-reduced exactly once in this
+        backward, in index order; every reduced parameter's .grad holds the average over all ranks
+        of its gradient (a parameter that had no .grad gets one); and the object is ready for the
+        next window's backward."""
+        # (stuck? `make hint CH=12` prints hint 1 of 3; run it again for the next)
+        # TODO: make every reduced .grad the average over all ranks, each bucket all-reduced exactly once and in index order, then leave the object ready for the next window
         raise NotImplementedError("the TODO above")
 
 
@@ -133,7 +142,7 @@ def train_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
     `loss_of(model, batch)` returns the micro-batch's loss, already divided by the number of
     micro-batches. Works for HandDDP and for torch's DDP (both have no_sync)."""
     # (stuck? `make hint CH=12` prints hint 1 of 2; run it again for the next)
-    # TODO: backward every micro-batch's loss - all but the last inside model.no_sync() - then, for a HandDDP, finish_gradient_sync(); then optimizer.step() and optimizer.zero_grad()
+    # TODO: take one optimizer step on the averaged gradients of all the micro-batches, communicating in the last backward only, and leave the gradients zeroed for the next window
     raise NotImplementedError("the TODO above")
 
 

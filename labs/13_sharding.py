@@ -44,7 +44,7 @@ def flatten_padded(tensors: list[torch.Tensor], world_size: int) -> torch.Tensor
     """All the tensors flattened into one vector, followed by zeros up to the next multiple of
     world_size (no zeros when the total already is one). On the tensors' device, detached."""
     # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
-    # TODO: concatenate the flattened tensors and append zeros up to the next multiple of world_size
+    # TODO: return one detached vector: every tensor's elements in order, then the fewest zeros that make its length a multiple of world_size
     raise NotImplementedError("the TODO above")
 
 
@@ -53,7 +53,7 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     have equal sizes, lie in rank order, and together cover every element exactly once. This is the
     slice that reduce-scatter gives to `rank`."""
     # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
-    # TODO: the shard size is numel / world_size rounded up; rank r's shard starts at r * size
+    # TODO: return rank's (start, stop) in the padded vector: equal shards, in rank order, together covering it exactly once
     raise NotImplementedError("the TODO above")
 
 
@@ -61,7 +61,7 @@ def average_grad_shard(flat_grad: torch.Tensor) -> torch.Tensor:
     """This rank's shard of the gradient averaged over all ranks. `flat_grad` is this rank's whole
     (padded) gradient; every rank passes one of the same length. Each rank receives only its own shard."""
     # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
-    # TODO: reduce-scatter flat_grad with ReduceOp.AVG into a new tensor of numel / world_size elements
+    # TODO: return this rank's shard of the average over all ranks of flat_grad, with one collective that delivers to each rank its own shard only
     raise NotImplementedError("the TODO above")
 
 
@@ -70,7 +70,7 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     """One Adam step on these tensors, in place, as torch.optim.Adam does it (no weight decay):
     update both moments with `grad`, then move `param`. `t` is the number of this step: 1, 2, 3, ..."""
     # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
-    # TODO: update exp_avg and exp_avg_sq in place, correct both for bias with step t, and move param
+    # TODO: do step t of torch.optim.Adam in place: both moments and param change, exactly as Adam's would
     raise NotImplementedError("the TODO above")
 
 
@@ -79,7 +79,7 @@ def gather_params(shard: torch.Tensor, params: list[nn.Parameter]) -> None:
     """Every rank sends its updated `shard`, receives everyone's, and writes the whole vector into
     `params`, in order: the padding at the end belongs to no parameter."""
     # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
-    # TODO: all-gather the shards into one padded vector, drop the padding, and copy each parameter's slice into it
+    # TODO: write every rank's updated shard into `params`, on every rank: each element takes its value from the rank whose shard holds it
     raise NotImplementedError("the TODO above")
 
 
@@ -98,20 +98,22 @@ class ShardedAdam:
         self.steps = 0  # steps taken; Adam's bias correction needs it
         self.numel = sum(p.numel() for p in self.params)
         self.start, self.stop = shard_range(self.numel, dist.get_rank(), dist.get_world_size())
-        # TODO: create exp_avg and exp_avg_sq: zeros for this rank's shard only (stop - start elements), with the parameters' device and dtype
+        # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
+        # TODO: create Adam's two moments, self.exp_avg and self.exp_avg_sq, for this rank's shard only, on the parameters' device and dtype
         raise NotImplementedError("the TODO above")
 
     @torch.no_grad()
     def step(self) -> None:
-        """One optimizer step: every rank has called backward() on its own batch."""
+        """One optimizer step: every rank has called backward() on its own batch, so each .grad is
+        this rank's own gradient. Afterwards every rank holds the same, updated parameters."""
         world_size = dist.get_world_size()
         for p in self.params:
             if p.grad is None:  # not used in this step's forward: a zero gradient, on every rank alike
                 p.grad = torch.zeros_like(p)
             if self.weight_decay:  # AdamW shrinks each weight before the Adam update (every rank alike)
                 p.mul_(1 - self.lr * self.weight_decay)
-        # (stuck? `make hint CH=13` prints hint 1 of 2; run it again for the next)
-        # TODO: average this rank's gradient shard (flatten_padded the grads, then average_grad_shard), take this rank's [start:stop] of the flattened parameters, count the step, adam_update the shard, gather_params
+        # (stuck? `make hint CH=13` prints hint 1 of 3; run it again for the next)
+        # TODO: move every parameter, on every rank, as torch.optim.Adam on the gradients averaged over the ranks would - this rank computing Adam for its own shard only, with its own moments
         raise NotImplementedError("the TODO above")
 
     def zero_grad(self) -> None:

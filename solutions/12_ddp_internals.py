@@ -87,14 +87,18 @@ class HandDDP(nn.Module):
         with torch.no_grad():  # every rank starts from rank 0's state, as DDP does: weights and buffers
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=0)
-        self.buckets = make_buckets(self.params, bucket_cap)
+        self.buckets = make_buckets(self.params, bucket_cap)  # lists of indices into self.params
+        self.sync = True                      # False inside no_sync()
+        self.reduce_this_backward = True      # decided at each forward: was sync on? (the hooks obey this)
+        self.sync_buffers = True              # broadcast rank 0's buffers at the next forward?
+        # HINT 1: the hook must know which bucket a gradient belongs to, how many of that bucket's gradients have arrived in this backward, and which bucket is next in line to launch; finish_gradient_sync must find every launched all-reduce again (its Work, its buffer, its bucket).
+        # HINT 2: self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}; self.ready = [0] * len(self.buckets); self.launched = 0 (the next bucket to launch); self.pending = [] (one (work, flat, bucket) per launched all-reduce).
+        # BEGIN SOLUTION: set up the state that your gradient hook, launch_bucket and finish_gradient_sync share to track one backward's buckets - you design it
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self.ready = [0] * len(self.buckets)  # how many gradients of each bucket have arrived
         self.launched = 0                     # buckets launched in this backward: 0, 1, ... in order
         self.pending = []                     # (work, flat buffer, bucket) of launched all-reduces
-        self.sync = True                      # False inside no_sync()
-        self.reduce_this_backward = True      # decided at each forward: was sync on?
-        self.sync_buffers = True              # broadcast rank 0's buffers at the next forward?
+        # END SOLUTION
         for index, p in enumerate(self.params):
             # Called by autograd right after p.grad has been accumulated during backward.
             p.register_post_accumulate_grad_hook(lambda p, index=index: self.on_gradient_ready(index))
@@ -114,7 +118,7 @@ class HandDDP(nn.Module):
         """Inside this block, forward-and-backward only accumulates gradients locally: no communication."""
         # HINT 1: forward() copies self.sync into self.reduce_this_backward, which the hook reads.
         # HINT 2: self.sync = False; try: yield; finally: self.sync = True
-        # BEGIN SOLUTION: switch self.sync off for the block and back on afterwards (even if the block raises)
+        # BEGIN SOLUTION: make every forward inside the block one whose backward stays local, and sync on again afterwards, even if the block raises
         self.sync = False
         try:
             yield
@@ -123,10 +127,16 @@ class HandDDP(nn.Module):
         # END SOLUTION
 
     def on_gradient_ready(self, index: int) -> None:
-        """Runs inside backward when self.params[index].grad is ready. Must return at once."""
-        # HINT 1: count the arrivals in self.ready[bucket]; a bucket is complete when its count equals its length.
-        # HINT 2: then, while bucket number self.launched is complete: self.launch_bucket(self.launched); self.launched += 1 - a complete bucket waits for the ones before it.
-        # BEGIN SOLUTION: if this backward reduces (self.reduce_this_backward), count this gradient in its bucket, then launch every complete bucket whose turn has come - buckets go out in index order only
+        """Autograd calls this inside backward, once self.params[index].grad holds this backward's
+        gradient. The contract: in a backward whose forward ran with sync on (self.reduce_this_backward),
+        each bucket is handed to launch_bucket exactly once, as soon as all of its gradients have
+        arrived - but never before every lower-numbered bucket, so all ranks issue the same
+        all-reduces in the same order; in a backward that does not reduce, nothing happens. Must
+        return at once: never wait for communication here."""
+        # HINT 1: a bucket is complete when as many of its gradients have arrived as it holds parameters; a bucket that completes early must wait until the ones before it have gone out.
+        # HINT 2: return at once unless self.reduce_this_backward; count the arrival in its bucket; then launch bucket after bucket, starting at the next one in line, while the next one in line is complete.
+        # HINT 3: self.ready[self.bucket_of[index]] += 1; while self.launched < len(self.buckets) and self.ready[self.launched] == len(self.buckets[self.launched]): self.launch_bucket(self.launched); self.launched += 1
+        # BEGIN SOLUTION: in a reducing backward, hand every bucket to launch_bucket once, as soon as it is complete, in bucket index order only; return at once, never wait
         if not self.reduce_this_backward:
             return
         self.ready[self.bucket_of[index]] += 1
@@ -137,10 +147,12 @@ class HandDDP(nn.Module):
         # END SOLUTION
 
     def launch_bucket(self, bucket: int) -> None:
-        """Start the sum over ranks of bucket `bucket`'s gradients, and return without waiting."""
-        # HINT 1: flat = torch.cat([...reshape(-1) ...]) copies the gradients into one buffer; a parameter whose .grad is None contributes torch.zeros_like(p).
+        """Start the sum over all ranks of bucket `bucket`'s gradients - one all-reduce of one flat
+        buffer, a parameter without a .grad counting as zeros - and return without waiting for it,
+        keeping whatever finish_gradient_sync will need to wait for it and read the result."""
+        # HINT 1: torch.cat of the gradients' reshape(-1) copies them into one new buffer; a parameter whose .grad is None contributes torch.zeros_like(p). all_reduce with async_op=True returns a Work at once.
         # HINT 2: work = dist.all_reduce(flat, async_op=True); self.pending.append((work, flat, bucket)) - never work.wait() here.
-        # BEGIN SOLUTION: flatten the bucket's gradients into one new buffer (zeros for a parameter without a gradient), launch an async all-reduce (sum) of it, and keep (work, buffer, bucket) in self.pending
+        # BEGIN SOLUTION: start one asynchronous all-reduce (sum) of the bucket's gradients, zeros for a missing one, and remember it for finish_gradient_sync; never wait here
         grads = [p.grad if p.grad is not None else torch.zeros_like(p)
                  for p in (self.params[i] for i in self.buckets[bucket])]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -149,11 +161,15 @@ class HandDDP(nn.Module):
         # END SOLUTION
 
     def finish_gradient_sync(self) -> None:
-        """Call after the last backward of a window, before optimizer.step(): afterwards every
-        reduced parameter's .grad holds the average of that gradient over all ranks."""
-        # HINT 1: buckets still not launched hold a parameter that got no gradient: launch them now, in order. Then for work, flat, bucket in self.pending: work.wait(), flat /= world size.
-        # HINT 2: copy the slices back: offset = 0; for i in self.buckets[bucket]: p = self.params[i]; average = flat[offset:offset + p.numel()].view_as(p); p.grad.copy_(average) (or p.grad = average.clone() when None); offset += p.numel(). Then reset self.ready, self.launched and self.pending.
-        # BEGIN SOLUTION: launch the buckets not launched yet (in order), wait for every pending all-reduce, divide its buffer by the world size (once), put the averaged slices into each parameter's .grad, and reset the bookkeeping for the next backward
+        """Call after the last backward of a window (one that reduced), before optimizer.step().
+        The contract: when it returns, every bucket has been all-reduced exactly once in this
+        backward, in index order; every reduced parameter's .grad holds the average over all ranks
+        of its gradient (a parameter that had no .grad gets one); and the object is ready for the
+        next window's backward."""
+        # HINT 1: a parameter that got no gradient never completes its bucket, nor lets the buckets after it go out: those are still waiting here. An async all-reduce's buffer holds the sum only once its Work's wait() has returned.
+        # HINT 2: launch the buckets still waiting, in order; then for each launched all-reduce: wait, divide the buffer by the world size, copy each parameter's slice back into its .grad; last, reset what the hook counted.
+        # HINT 3: offset = 0; for i in self.buckets[bucket]: p = self.params[i]; average = flat[offset:offset + p.numel()].view_as(p); p.grad.copy_(average) (or p.grad = average.clone() when None); offset += p.numel()
+        # BEGIN SOLUTION: make every reduced .grad the average over all ranks, each bucket all-reduced exactly once and in index order, then leave the object ready for the next window
         while self.launched < len(self.buckets):
             self.launch_bucket(self.launched)
             self.launched += 1
@@ -182,9 +198,9 @@ def train_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
 
     `loss_of(model, batch)` returns the micro-batch's loss, already divided by the number of
     micro-batches. Works for HandDDP and for torch's DDP (both have no_sync)."""
-    # HINT 1: only the last micro-batch's backward may communicate; its hooks launch every bucket.
+    # HINT 1: only the last micro-batch's backward may communicate; its hooks launch every bucket. A HandDDP's gradients are averaged only once finish_gradient_sync() has returned.
     # HINT 2: for batch in micro_batches[:-1]: with model.no_sync(): loss_of(model, batch).backward(); then the last one outside, then finish_gradient_sync() if isinstance(model, HandDDP), step, zero_grad.
-    # BEGIN SOLUTION: backward every micro-batch's loss - all but the last inside model.no_sync() - then, for a HandDDP, finish_gradient_sync(); then optimizer.step() and optimizer.zero_grad()
+    # BEGIN SOLUTION: take one optimizer step on the averaged gradients of all the micro-batches, communicating in the last backward only, and leave the gradients zeroed for the next window
     for batch in micro_batches[:-1]:
         with model.no_sync():
             loss_of(model, batch).backward()

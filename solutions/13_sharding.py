@@ -44,7 +44,7 @@ def flatten_padded(tensors: list[torch.Tensor], world_size: int) -> torch.Tensor
     world_size (no zeros when the total already is one). On the tensors' device, detached."""
     # HINT 1: torch.cat of the flattened tensors, then torch.cat with a zero tensor of the missing length.
     # HINT 2: padded length = shard * world_size with shard = ceil(total / world_size) = -(-total // world_size).
-    # BEGIN SOLUTION: concatenate the flattened tensors and append zeros up to the next multiple of world_size
+    # BEGIN SOLUTION: return one detached vector: every tensor's elements in order, then the fewest zeros that make its length a multiple of world_size
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     missing = -flat.numel() % world_size
     return torch.cat([flat, flat.new_zeros(missing)])
@@ -57,7 +57,7 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     slice that reduce-scatter gives to `rank`."""
     # HINT 1: every shard has the same size, the total rounded UP to a multiple of world_size, divided by it.
     # HINT 2: size = -(-numel // world_size); rank r's shard is [r * size, (r + 1) * size).
-    # BEGIN SOLUTION: the shard size is numel / world_size rounded up; rank r's shard starts at r * size
+    # BEGIN SOLUTION: return rank's (start, stop) in the padded vector: equal shards, in rank order, together covering it exactly once
     size = -(-numel // world_size)
     start = rank * size
     return start, start + size
@@ -69,7 +69,7 @@ def average_grad_shard(flat_grad: torch.Tensor) -> torch.Tensor:
     (padded) gradient; every rank passes one of the same length. Each rank receives only its own shard."""
     # HINT 1: one collective does both the sum and the split: dist.reduce_scatter_single(output, input, op=...).
     # HINT 2: output = torch.empty(flat_grad.numel() // world_size) on flat_grad's device; op=dist.ReduceOp.AVG.
-    # BEGIN SOLUTION: reduce-scatter flat_grad with ReduceOp.AVG into a new tensor of numel / world_size elements
+    # BEGIN SOLUTION: return this rank's shard of the average over all ranks of flat_grad, with one collective that delivers to each rank its own shard only
     shard = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size())
     dist.reduce_scatter_single(shard, flat_grad, op=dist.ReduceOp.AVG)
     return shard
@@ -82,7 +82,7 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     update both moments with `grad`, then move `param`. `t` is the number of this step: 1, 2, 3, ..."""
     # HINT 1: torch.optim.Adam's formulas: m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; param -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)
     # HINT 2: in place: exp_avg.lerp_(grad, 1 - b1); exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2); then param.addcdiv_(exp_avg, denominator, value=-step_size)
-    # BEGIN SOLUTION: update exp_avg and exp_avg_sq in place, correct both for bias with step t, and move param
+    # BEGIN SOLUTION: do step t of torch.optim.Adam in place: both moments and param change, exactly as Adam's would
     beta1, beta2 = betas
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -98,7 +98,7 @@ def gather_params(shard: torch.Tensor, params: list[nn.Parameter]) -> None:
     `params`, in order: the padding at the end belongs to no parameter."""
     # HINT 1: dist.all_gather_single(full, shard) fills `full` (world_size x shard elements) with every rank's shard.
     # HINT 2: keep full[:total], split it by the parameters' numel(), and copy_ each piece (view_as the parameter).
-    # BEGIN SOLUTION: all-gather the shards into one padded vector, drop the padding, and copy each parameter's slice into it
+    # BEGIN SOLUTION: write every rank's updated shard into `params`, on every rank: each element takes its value from the rank whose shard holds it
     full = shard.new_empty(shard.numel() * dist.get_world_size())
     dist.all_gather_single(full, shard)
     total = sum(p.numel() for p in params)
@@ -122,7 +122,9 @@ class ShardedAdam:
         self.steps = 0  # steps taken; Adam's bias correction needs it
         self.numel = sum(p.numel() for p in self.params)
         self.start, self.stop = shard_range(self.numel, dist.get_rank(), dist.get_world_size())
-        # BEGIN SOLUTION: create exp_avg and exp_avg_sq: zeros for this rank's shard only (stop - start elements), with the parameters' device and dtype
+        # HINT 1: Adam's moments start at zero and hold one number per element they cover; this rank covers its shard [start, stop) only, padding included.
+        # HINT 2: torch.zeros(self.stop - self.start, device=..., dtype=...) with the first parameter's device and dtype, and torch.zeros_like of it for the second moment (two tensors, not one).
+        # BEGIN SOLUTION: create Adam's two moments, self.exp_avg and self.exp_avg_sq, for this rank's shard only, on the parameters' device and dtype
         first = self.params[0]
         self.exp_avg = torch.zeros(self.stop - self.start, device=first.device, dtype=first.dtype)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
@@ -130,16 +132,18 @@ class ShardedAdam:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One optimizer step: every rank has called backward() on its own batch."""
+        """One optimizer step: every rank has called backward() on its own batch, so each .grad is
+        this rank's own gradient. Afterwards every rank holds the same, updated parameters."""
         world_size = dist.get_world_size()
         for p in self.params:
             if p.grad is None:  # not used in this step's forward: a zero gradient, on every rank alike
                 p.grad = torch.zeros_like(p)
             if self.weight_decay:  # AdamW shrinks each weight before the Adam update (every rank alike)
                 p.mul_(1 - self.lr * self.weight_decay)
-        # HINT 1: one line per piece above: average_grad_shard, then adam_update on your slice [start:stop] of the flattened parameters, then gather_params
-        # HINT 2: count the step before adam_update: Adam's first step has t = 1.
-        # BEGIN SOLUTION: average this rank's gradient shard (flatten_padded the grads, then average_grad_shard), take this rank's [start:stop] of the flattened parameters, count the step, adam_update the shard, gather_params
+        # HINT 1: the pieces above do it, in the order of the lab's docstring: this rank's averaged gradient shard, Adam on this rank's shard of the parameters, then every rank's updated shard back into the parameters.
+        # HINT 2: the gradient and the parameters are flattened and padded the same way, so [self.start:self.stop] of each lines up; count the step before adam_update (Adam's first step has t = 1).
+        # HINT 3: grad_shard = average_grad_shard(flatten_padded(grads, world_size)); param_shard = the [self.start:self.stop] slice of flatten_padded(self.params, world_size); self.steps += 1; adam_update(...); gather_params(param_shard, self.params)
+        # BEGIN SOLUTION: move every parameter, on every rank, as torch.optim.Adam on the gradients averaged over the ranks would - this rank computing Adam for its own shard only, with its own moments
         grad_shard = average_grad_shard(flatten_padded([p.grad for p in self.params], world_size))
         param_shard = flatten_padded(self.params, world_size)[self.start:self.stop]
         self.steps += 1

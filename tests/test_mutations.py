@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import ROOT, launch
-from mutation import args, mutations, slow
+from mutation import args, mutations, slow, variants
 
 
 def cases():
@@ -26,3 +26,17 @@ def test_check_names_the_mistake(stem, mutation, tmp_path):
     assert result.returncode != 0, f"the check did not catch '{mutation.name}':\n{out[-3000:]}"
     assert "FAIL" in result.stdout, out[-3000:]
     assert mutation.diagnosis in result.stdout, f"expected '{mutation.diagnosis}' in:\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize("stem, variant", [pytest.param(stem, v, id=f"{stem}-{v.name.replace(' ', '_')}")
+                                           for stem, rows in variants().items() for v in rows])
+def test_check_passes_a_correct_variant(stem, variant, tmp_path):
+    """A check that rejects right code written otherwise teaches the wrong lesson (REVIEW F: lab
+    12 rejected `from torch.distributed import all_reduce`)."""
+    source = (ROOT / "solutions" / f"{stem}.py").read_text()
+    assert source.count(variant.old) == 1, f"the text to change is not unique in {stem}.py: {variant.old!r}"
+    other = tmp_path / "solutions" / f"{stem}.py"
+    other.parent.mkdir()
+    other.write_text(source.replace(variant.old, variant.new))
+    result = launch(other, variant.nproc, *args(stem))
+    assert result.returncode == 0, f"the check rejected '{variant.name}':\n{(result.stdout + result.stderr)[-3000:]}"

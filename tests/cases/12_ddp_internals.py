@@ -1,9 +1,16 @@
 """Chapter 12: the classic ways to get a hand-made, overlapping DDP wrong, each of which the lab's
 check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 NPROCS = (2, 4)
+
+CORRECT = [
+    # REVIEW F: rejected as "0 all-reduces ... with sync on again" (the recorder saw dist.all_reduce only)
+    Variant("all_reduce imported by name",
+            "        work = dist.all_reduce(flat, async_op=True)\n",
+            "        from torch.distributed import all_reduce\n        work = all_reduce(flat, async_op=True)\n", 2),
+]
 
 MUTATIONS = [
     Mutation("buckets in forward order",
@@ -49,7 +56,7 @@ MUTATIONS = [
     Mutation("ready counts never reset",
              "        self.ready = [0] * len(self.buckets)\n        self.launched = 0\n",
              "        self.launched = 0\n",
-             "are the per-bucket ready counts reset"),
+             "is what the hook counts (gradients arrived per bucket) reset"),
     Mutation("never waiting before the step",
              "            work.wait()\n            flat /= world_size\n",
              "            flat /= world_size\n",
@@ -57,7 +64,7 @@ MUTATIONS = [
     Mutation("pending list never emptied",
              "        self.pending = []\n        # END SOLUTION\n",
              "        # END SOLUTION\n",
-             "empty the pending list"),
+             "forget the all-reduces already waited on after each window"),
     Mutation("step before finish_gradient_sync",
              "    if isinstance(model, HandDDP):\n        model.finish_gradient_sync()\n    optimizer.step()\n",
              "    optimizer.step()\n    if isinstance(model, HandDDP):\n        model.finish_gradient_sync()\n",
@@ -116,9 +123,17 @@ MUTATIONS = [
     Mutation("self.launched never reset after a window",
              "        self.ready = [0] * len(self.buckets)\n        self.launched = 0\n        self.pending = []\n",
              "        self.ready = [0] * len(self.buckets)\n        self.pending = []\n",
-             "and self.launched with them", 3),
+             "does the hook start again from bucket 0 in every window", 3),
     Mutation("a gradient counted in the wrong bucket (by parameter index)",
              "        self.ready[self.bucket_of[index]] += 1\n",
              "        self.ready[min(index, len(self.buckets) - 1)] += 1\n",
-             "self.bucket_of[index]", 3),
+             "is each gradient counted in the bucket that holds it", 3),
+    Mutation("a bucket launched when its first gradient arrives",
+             "               and self.ready[self.launched] == len(self.buckets[self.launched])):\n",
+             "               and self.ready[self.launched] >= 1):\n",
+             "a bucket is complete only once every gradient it holds is ready"),
+    Mutation("bucket buffer filled with the weights, not the gradients",
+             "        grads = [p.grad if p.grad is not None else torch.zeros_like(p)\n",
+             "        grads = [p.detach() if p.grad is not None else torch.zeros_like(p)\n",
+             "did not carry this rank's gradients"),
 ]

@@ -3,6 +3,8 @@
 Each chapter has a file tests/cases/NN_slug.py with
     MUTATIONS = [Mutation(what the mistake is, text in the solution, what replaces it,
                           words the diagnosis must contain, number of ranks), ...]
+    CORRECT = [Variant(what is different, text in the solution, what replaces it, number of ranks)]
+                        # optional: right answers written otherwise, which the check must pass
     NPROCS = (2, 4)     # optional: the rank counts its solution is tested at
     ARGS = ("--epochs", "2")  # optional: arguments for every mutated run (a shorter one, say)
     SLOW = True         # optional: its runs are long (training, timeouts): make test starts them first
@@ -23,6 +25,14 @@ class Mutation(NamedTuple):
     nproc: int = 2
 
 
+class Variant(NamedTuple):
+    """Correct code written otherwise than the solution: the check must pass it (CORRECT = [...])."""
+    name: str
+    old: str
+    new: str
+    nproc: int = 2
+
+
 
 
 def chapter_cases() -> dict[str, object]:
@@ -38,6 +48,10 @@ def chapter_cases() -> dict[str, object]:
 
 def mutations() -> dict[str, list[Mutation]]:
     return {stem: list(getattr(m, "MUTATIONS", [])) for stem, m in chapter_cases().items()}
+
+
+def variants() -> dict[str, list[Variant]]:
+    return {stem: list(getattr(m, "CORRECT", [])) for stem, m in chapter_cases().items()}
 
 
 def nprocs(stem: str) -> tuple[int, ...]:
