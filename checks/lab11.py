@@ -7,6 +7,10 @@ lab's X (this module never imports the lab).
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
+import re
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ringside import Checks, Rank, print0, run_lab
@@ -51,6 +56,49 @@ def check_sharding(checks: Checks, result: lab.Result, train_size: int, args: ar
                   f"the ranks' shards together cover {covered} of {train_size} training images (they overlap): "
                   f"the sampler's seed must be the same on every rank (seed, not seed + rank), so that all ranks "
                   f"cut one shared permutation")
+
+
+def check_augment(checks: Checks, train_set: TensorDataset, me: Rank) -> None:
+    """augment's contract, tested directly: every image its own draw, the result set by the seed alone,
+    this rank's random streams (CPU, and its GPU) where they were."""
+    copies = train_set.tensors[0][:1].repeat(8, 1, 1, 1)  # one image, 8 times
+    gpu = [me.device] if me.device.type == "cuda" else []
+
+    def streams() -> list[torch.Tensor]:
+        return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in gpu]
+
+    with torch.random.fork_rng(devices=gpu):  # the check's own reseeding below stays in here
+        before = streams()
+        first = lab.augment(copies.clone(), 1234, me.device)
+        after = streams()
+        torch.manual_seed(4321)  # another global state: the same seed must still give the same batch
+        again = lab.augment(copies.clone(), 1234, me.device)
+        other = lab.augment(copies.clone(), 1235, me.device)
+    if not (isinstance(first, torch.Tensor) and first.shape == copies.shape):
+        checks.fail(f"augment returned {getattr(first, 'shape', type(first).__name__)} for a batch of shape "
+                    f"{tuple(copies.shape)}: return the augmented images stacked in a batch of the same shape")
+        return
+    checks.expect(torch.equal(first, again),
+                  "augment gave another batch for the same seed once the global random state had changed: its "
+                  "draws do not come from `seed` alone - torch.manual_seed(seed) before drawing, inside "
+                  "torch.random.fork_rng")
+    checks.expect(torch.equal(after[0], before[0]),
+                  "augment moved this rank's global random stream (the CPU generator is not where it was, so "
+                  "everything drawn after it changes): seed and draw inside `with torch.random.fork_rng(...)`, "
+                  "which puts the generators back")
+    checks.expect(all(torch.equal(a, b) for a, b in zip(after[1:], before[1:])),
+                  "augment moved this rank's GPU random stream (torch.manual_seed seeds every GPU): give "
+                  "torch.random.fork_rng this rank's GPU, devices=[device]")
+    if torch.equal(first, copies):
+        checks.fail("augment returned the images unchanged: apply AUGMENT to them")
+        return
+    checks.expect(any(not torch.equal(first[0], image) for image in first[1:]),
+                  "augment gave 8 copies of one image the very same rotation, shift and zoom: the whole batch "
+                  "shared one draw (a transform called on a batch draws once) - augment one image at a time "
+                  "and stack the results")
+    checks.expect(not torch.equal(first, other),
+                  "augment gave the same batch for seeds 1234 and 1235: draw from `seed` (torch.manual_seed(seed)), "
+                  "not from a fixed seed")
 
 
 def check_replicas(checks: Checks, model: nn.Module) -> None:
@@ -238,8 +286,161 @@ def check_atomic_save(checks: Checks, directory: Path, me: Rank) -> None:
                            "torch.load, so that a checkpoint cannot run code")
 
 
-def check_resume(checks: Checks, args: argparse.Namespace, me: Rank, reference: lab.Result) -> None:
-    """Crash a second run mid-epoch, resume it, and compare with the uninterrupted run bit for bit."""
+def small_training(me: Rank, seed: int, steps: int) -> tuple:
+    """A tiny network with BatchNorm in DDP, SGD with momentum, a cosine schedule and an enabled
+    GradScaler, after `steps` steps: every piece of state that a checkpoint carries."""
+    g = torch.Generator().manual_seed(seed)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / 4)
+    model = DDP(net.to(me.device), device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    scaler = torch.amp.GradScaler(me.device.type, init_scale=2.0 ** (8 + seed), growth_interval=1)
+    for _ in range(steps):
+        x, y = torch.randn(5, 1, 6, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        scaler.scale(F.cross_entropy(model(x.to(me.device)), y.to(me.device))).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    return model, optimizer, scheduler, scaler
+
+
+def same(a, b) -> bool:
+    """Equal, tensors and nested containers included."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def prefix_mismatch(error: BaseException) -> str | None:
+    """One line for load_state_dict's error when the keys differ by DDP's 'module.' prefix, else None."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or "Error(s) in loading state_dict" not in text or "module." not in text:
+        return None
+    first = lambda kind: next(iter(re.findall(kind + r' key\(s\) in state_dict: "([^"]+)"', text)), "?")
+    expected, given = first("Missing"), first("Unexpected")
+    if "for DistributedDataParallel" in text.splitlines()[0]:
+        return (f"restore loaded the checkpoint's model weights into the DDP wrapper, whose keys start with "
+                f"'module.' ('{expected}'), while the checkpoint's, saved from model.module, do not ('{given}'): "
+                f"load into the bare network, model.module.load_state_dict(state['model'])")
+    return (f"the checkpoint's model keys start with 'module.' ('{given}': saved from the DDP wrapper), the bare "
+            f"network they are loaded into expects '{expected}': save model.module.state_dict() in the "
+            f"checkpoint and load it with model.module.load_state_dict")
+
+
+def check_restore(checks: Checks, me: Rank) -> None:
+    """checkpoint_state, through a real save and load, then restore into fresh objects: every piece of
+    state must be the checkpoint's again (tested directly: a resumed run would only show knock-on effects)."""
+    saved = small_training(me, seed=1, steps=3)
+    progress = lab.Progress(epoch=1, step_in_epoch=8, global_step=30, loss_sum=12.5,
+                            history=[{"epoch": 0, "train_loss": 1.5, "test_loss": 1.25, "test_accuracy": 0.75}])
+    buffer = io.BytesIO()
+    torch.save(lab.checkpoint_state(*saved, progress, me), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, map_location=me.device, weights_only=True)
+    fresh = small_training(me, seed=2, steps=0)
+    try:
+        got = lab.restore(state, *fresh)
+    except RuntimeError as error:
+        if (said := prefix_mismatch(error)) is None:
+            raise
+        checks.fail(said)
+        return
+    (model, optimizer, scheduler, scaler), (want_model, want_opt, want_sched, want_scaler) = fresh, saved
+    weights = max_diff(flat_params(model), flat_params(want_model))
+    checks.expect(weights == 0.0, f"after restore the weights differ from the checkpoint's (max diff {weights:.2e}): "
+                                  f"model.module.load_state_dict(state['model'])")
+    buffers = dict(model.module.named_buffers())
+    checks.expect(weights != 0.0 or all(same(b, buffers[n]) for n, b in want_model.module.named_buffers()),
+                  "after restore the weights are the checkpoint's but the BatchNorm running statistics are not: "
+                  "load the model's whole state_dict (buffers too)")
+    got_opt, want = optimizer.state_dict(), want_opt.state_dict()
+    if not same(got_opt, want):
+        momentum = sum(same(got_opt["state"].get(k), v) for k, v in want["state"].items())
+        lr, want_lr = got_opt["param_groups"][0]["lr"], want["param_groups"][0]["lr"]
+        checks.fail(f"after restore the optimizer's state is not the checkpoint's ({momentum} of {len(want['state'])} "
+                    f"momentum buffers, learning rate {lr:.4g} instead of {want_lr:.4g}): a resumed run would step "
+                    f"without the optimizer's momentum - optimizer.load_state_dict(state['optimizer'])")
+    checks.expect(same(scheduler.state_dict(), want_sched.state_dict()),
+                  f"after restore the learning-rate scheduler is at step {scheduler.last_epoch}, the checkpoint's "
+                  f"at step {want_sched.last_epoch}: the schedule would start over - "
+                  f"scheduler.load_state_dict(state['scheduler'])")
+    checks.expect(same(scaler.state_dict(), want_scaler.state_dict()),
+                  f"after restore the GradScaler's scale is {scaler.get_scale():g}, the checkpoint's "
+                  f"{want_scaler.get_scale():g}: scaler.load_state_dict(state['scaler'])")
+    checks.expect(is_dataclass(got) and asdict(got) == state["progress"],
+                  f"restore returned {got!r}, the checkpoint holds {state['progress']}: return "
+                  f"Progress(**state['progress'])")
+
+
+class SimulatedCrash(Exception):
+    """Raised on every rank at a chosen step: a crash without the mess."""
+
+
+class BatchLog:
+    """train's before_step probe: records (epoch, step in epoch, global step, fingerprint of the batch)
+    before each step, and crashes the run on purpose before step `crash_at`."""
+
+    def __init__(self, crash_at: int | None = None):
+        self.crash_at = crash_at
+        self.records: list[tuple[int, int, int, str]] = []
+
+    def __call__(self, progress, images: torch.Tensor, labels: torch.Tensor) -> None:
+        if progress.global_step == self.crash_at:
+            raise SimulatedCrash(f"crashed on purpose before step {self.crash_at}")
+        digest = hashlib.blake2b(digest_size=8)
+        for t in (images, labels):
+            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+        self.records.append((progress.epoch, progress.step_in_epoch, progress.global_step, digest.hexdigest()))
+
+
+def train_explained(checks: Checks, *args, **kwargs):
+    """lab.train, with a checkpoint whose keys differ by 'module.' said in one line (None then)."""
+    try:
+        return lab.train(*args, **kwargs)
+    except RuntimeError as error:
+        if (said := prefix_mismatch(error)) is None:
+            raise
+        checks.fail(said)
+        return None
+
+
+def batch_order_after_resume(reference: BatchLog, resumed: BatchLog) -> str | None:
+    """What went wrong in the batches a resumed run trained, compared with the uninterrupted run's; None if nothing."""
+    at_step = {g: (epoch, step, fp) for epoch, step, g, fp in reference.records}
+    first_seen = {}
+    for epoch, step, _, fp in reference.records:
+        first_seen.setdefault(fp, (epoch, step))
+    for epoch, step, g, fp in resumed.records:
+        if g not in at_step or at_step[g][2] == fp:
+            continue
+        want = at_step[g][:2]
+        seen = first_seen.get(fp)
+        at = f"at step {g} (epoch {epoch}, batch {step}) the resumed run trained"
+        if seen is None:
+            return (f"{at} a batch the uninterrupted run never trained: the epoch's order differs - "
+                    f"call loader.sampler.set_epoch(epoch) before taking the epoch's batches")
+        if seen < want:
+            return (f"{at} batch {seen[1]} of epoch {seen[0]} again: the batches of the interrupted epoch done "
+                    f"before the checkpoint are trained twice - skip the first progress.step_in_epoch of them "
+                    f"(itertools.islice), do not restart the epoch")
+        return (f"{at} batch {seen[1]} of epoch {seen[0]}, due later: batches were skipped - skip exactly the "
+                f"progress.step_in_epoch batches already done (itertools.islice)")
+    return None
+
+
+def check_resume(checks: Checks, args: argparse.Namespace, me: Rank, reference: lab.Result, batches: BatchLog) -> None:
+    """Crash a second run mid-epoch, resume it, and compare with the uninterrupted run bit for bit.
+    The causes come first (where it resumed, which batches it trained); the knock-on effects (the
+    weights, the BatchNorm statistics) only when those are right."""
     steps_per_epoch = len(reference.loader)
     crash = steps_per_epoch * (args.epochs // 2) + steps_per_epoch // 2 + 3  # mid-epoch, past a checkpoint
     crash += 1 if crash % args.checkpoint_every == 0 else 0
@@ -247,23 +448,34 @@ def check_resume(checks: Checks, args: argparse.Namespace, me: Rank, reference: 
     run = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / "resume-check"), "fresh": True,
                                 "progress": False, "kill_at_step": None})
     try:
-        lab.train(run, me, crash_at_step=crash)
-    except lab.SimulatedCrash:
+        lab.train(run, me, before_step=BatchLog(crash_at=crash))
+    except SimulatedCrash:
         pass
     print0(f"resume check: crashed before step {crash}, resuming from the checkpoint of step {last_checkpoint}")
-    resumed = lab.train(argparse.Namespace(**{**vars(run), "fresh": False}), me)
-    checks.expect(resumed.resumed_from == last_checkpoint,
-                  f"the resumed run started at step {resumed.resumed_from}, the last checkpoint was at step "
-                  f"{last_checkpoint}: restore Progress from the checkpoint")
-    expected_steps = reference.progress.global_step - last_checkpoint
-    checks.expect(resumed.steps_run == expected_steps,
-                  f"after resuming it trained {resumed.steps_run} steps, {expected_steps} were left: skip the "
-                  f"progress.step_in_epoch batches already done (itertools.islice), do not restart the epoch")
+    log = BatchLog()
+    resumed = train_explained(checks, argparse.Namespace(**{**vars(run), "fresh": False}), me, before_step=log)
+    if resumed is None:
+        return
+    if not checks.expect(resumed.resumed_from == last_checkpoint,
+                         f"the resumed run started at step {resumed.resumed_from}, the last checkpoint was at step "
+                         f"{last_checkpoint}: restore Progress from the checkpoint"):
+        return
+    if (wrong := batch_order_after_resume(batches, log)) is not None:
+        checks.fail(wrong)
+        return
+    left = reference.progress.global_step - last_checkpoint
+    if not checks.expect(resumed.steps_run == left,
+                         f"after resuming it trained {resumed.steps_run} steps, {left} were left: "
+                         + ("batches were skipped - skip only" if resumed.steps_run < left else
+                            "batches of the interrupted epoch are trained twice - skip")
+                         + " the progress.step_in_epoch batches already done (itertools.islice)"):
+        return
     diff = max_diff(flat_params(resumed.model), flat_params(reference.model))
-    checks.expect(diff == 0.0,
-                  f"the resumed run's final weights differ from the uninterrupted run's (max diff {diff:.2e}): "
-                  f"restore the optimizer (momentum), scheduler and scaler, and seed the augmentation from "
-                  f"(seed, rank, epoch, step) so that every redone step draws the same")
+    if not checks.expect(diff == 0.0,
+                         f"the resumed run trained the same batches from the restored state, yet its final weights "
+                         f"differ from the uninterrupted run's (max diff {diff:.2e}): a redone step drew differently "
+                         f"- seed the augmentation from (seed, rank, epoch, step) and draw nothing else at random"):
+        return
     buffers = max_diff(torch.cat([b.flatten().float() for b in resumed.model.module.buffers()]),
                        torch.cat([b.flatten().float() for b in reference.model.module.buffers()]))
     checks.expect(buffers == 0.0, f"the BatchNorm running statistics differ after resuming (max diff {buffers:.2e}): "
@@ -274,16 +486,21 @@ def main(checks: Checks) -> None:
     args = lab.parse_args()
     me = lab.join_group()
     print0(f"training on {me.world_size} rank(s), backend {me.backend}, autocast {lab.amp_dtype(args, me)}")
-    result = lab.train(args, me)
+    batches = BatchLog()
+    result = train_explained(checks, args, me, before_step=batches)
+    if result is None:
+        return
     train_set, test_set = lab.load_data(args)
     check_sharding(checks, result, len(train_set), args, me)
+    check_augment(checks, train_set, me)
     check_replicas(checks, result.model)
     check_amp_step(checks, me)
     check_evaluation(checks, result, test_set)
     check_accuracy(checks, result, args)
     check_atomic_save(checks, Path(args.out), me)
+    check_restore(checks, me)
     if args.resume_check and not checks.failures:  # a fixed first failure may fix the rest: fail fast
-        check_resume(checks, args, me, result)
+        check_resume(checks, args, me, result, batches)
     print0(f"final weights, history and curves in {args.out}/")
 
 

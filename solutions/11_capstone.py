@@ -45,30 +45,25 @@ ACCURACY_BAND = (0.93, 1.0)  # measured with the defaults below: 0.964, 0.972, 0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Data-parallel training of a small CNN, with checkpoints.")
-    p.add_argument("--out", default="runs/capstone", help="checkpoint, final weights, curves (default: %(default)s)")
-    p.add_argument("--data", choices=["digits", "mnist", "cifar10"], default="digits",
-                   help="digits ship with scikit-learn; mnist/cifar10 need --data-dir (never downloaded)")
-    p.add_argument("--data-dir", default=None, help="where torchvision's MNIST or CIFAR-10 already is")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64, help="global batch, split evenly over the ranks")
-    p.add_argument("--lr", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
-    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
-                   help="autocast: bfloat16 on a GPU that runs it natively (Ampere and later), else float16 + "
-                        "GradScaler; bfloat16 on the CPU (default: on a GPU only; a CPU without bfloat16 units "
-                        "runs these convolutions about 7x slower)")
-    p.add_argument("--fresh", action="store_true",
-                   help="start afresh even if OUT/checkpoint.pt exists (by default a run resumes from it: "
-                        "that is how a job restarted by torchrun, or relaunched by hand, continues)")
-    p.add_argument("--kill-rank", type=int, default=1, help="fault injection: the rank that dies")
-    p.add_argument("--kill-at-step", type=int, default=None,
-                   help="fault injection: that rank kills itself (SIGKILL) before this step, unless the run "
-                        "resumed from a checkpoint")
-    p.add_argument("--resume-check", action=argparse.BooleanOptionalAction, default=True,
-                   help="the self-check also crashes a second run on purpose, resumes it and compares")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="rank 0's progress bar (default: only when stderr is a terminal)")
+    arg, flag = p.add_argument, argparse.BooleanOptionalAction
+    arg("--out", default="runs/capstone", help="checkpoint, final weights, curves (default: %(default)s)")
+    arg("--data", choices=["digits", "mnist", "cifar10"], default="digits",
+        help="digits ship with scikit-learn; mnist/cifar10 need --data-dir (never downloaded)")
+    arg("--data-dir", default=None, help="where torchvision's MNIST or CIFAR-10 already is")
+    arg("--epochs", type=int, default=3)
+    arg("--batch-size", type=int, default=64, help="global batch, split evenly over the ranks")
+    arg("--lr", type=float, default=0.2)
+    arg("--seed", type=int, default=0)
+    arg("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    arg("--amp", action=flag, default=None, help="autocast (see amp_dtype; default: on a GPU only: a CPU without "
+        "bfloat16 units runs these convolutions about 7x slower)")
+    arg("--fresh", action="store_true", help="start afresh even if OUT/checkpoint.pt exists (by default a run, "
+        "restarted by torchrun or relaunched by hand, resumes from it)")
+    arg("--kill-rank", type=int, default=1, help="fault injection: the rank that dies")
+    arg("--kill-at-step", type=int, default=None,
+        help="fault injection: that rank kills itself (SIGKILL) before this step, unless the run resumed")
+    arg("--resume-check", action=flag, default=True, help="the self-check also crashes a second run and resumes it")
+    arg("--progress", action=flag, default=None, help="rank 0's progress bar (default: if stderr is a terminal)")
     args = p.parse_args(argv)
     if args.data != "digits" and not args.data_dir:
         p.error(f"--data {args.data} needs --data-dir")
@@ -315,10 +310,6 @@ def evaluate(net: nn.Module, test_set: TensorDataset, me: Rank, batch_size: int 
 # --- The training script --------------------------------------------------------------------------
 
 
-class SimulatedCrash(Exception):
-    """Raised on every rank at a chosen step by the self-check: a crash without the mess."""
-
-
 def maybe_die(args: argparse.Namespace, me: Rank, step: int) -> None:
     """Fault injection for the demo and the test: one rank dies hard (train calls it only in a run
     that did not resume, so the restarted job gets past the step)."""
@@ -331,17 +322,14 @@ def save_curves(history: list[dict], path: Path) -> None:
     """Loss and accuracy per epoch, as a PNG (no pyplot: the caller's backend is left alone)."""
     from matplotlib.figure import Figure
 
-    epochs = [h["epoch"] + 1 for h in history]
-    fig = Figure(figsize=(8, 3))
+    epochs, fig = [h["epoch"] + 1 for h in history], Figure(figsize=(8, 3))
     ax_loss, ax_acc = fig.subplots(1, 2)
-    ax_loss.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
-    ax_loss.plot(epochs, [h["test_loss"] for h in history], "o-", label="test")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
+    for key in ("train_loss", "test_loss"):
+        ax_loss.plot(epochs, [h[key] for h in history], "o-", label=key[:-5])
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss", xticks=epochs)
     ax_loss.legend()
     ax_acc.plot(epochs, [h["test_accuracy"] for h in history], "o-", color="C2")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy")
-    for ax in (ax_loss, ax_acc):
-        ax.set_xticks(epochs)
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy", xticks=epochs)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 
@@ -356,7 +344,7 @@ class Result:
     test: dict
 
 
-def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) -> Result:
+def train(args: argparse.Namespace, me: Rank, before_step=None) -> Result:
     """The whole run; resumes from OUT/checkpoint.pt when it exists (unless --fresh): a job that
     torchrun restarts, or that is launched again by hand, continues where the last checkpoint left
     it. A finished run removes its checkpoint (final.pt keeps the weights)."""
@@ -409,9 +397,8 @@ def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) 
         for images, labels in batches:
             if resumed_from is None:
                 maybe_die(args, me, progress.global_step)
-            if crash_at_step == progress.global_step:
-                bar.close()
-                raise SimulatedCrash(f"crashed on purpose before step {crash_at_step}")
+            if before_step is not None:  # the self-check's probe: it sees each batch, and may crash the run
+                before_step(progress, images, labels)
             images = augment(images, augment_seed(args.seed, me.rank, epoch, progress.step_in_epoch), me.device)
             loss = train_step(model, images.to(me.device), labels.to(me.device), optimizer, scaler, dtype)
             scheduler.step()
@@ -447,5 +434,6 @@ def train(args: argparse.Namespace, me: Rank, crash_at_step: int | None = None) 
 if __name__ == "__main__":  # the check is in checks/lab11.py: you need not read it
     from checks import lab11
     lab11.run(ACCURACY_BAND=ACCURACY_BAND, parse_args=parse_args, join_group=join_group, load_data=load_data,
-              amp_dtype=amp_dtype, train_step=train_step, save_checkpoint=save_checkpoint,
-              read_checkpoint=read_checkpoint, SimulatedCrash=SimulatedCrash, Result=Result, train=train)
+              augment=augment, amp_dtype=amp_dtype, train_step=train_step, save_checkpoint=save_checkpoint,
+              read_checkpoint=read_checkpoint, Progress=Progress, checkpoint_state=checkpoint_state,
+              restore=restore, Result=Result, train=train)
