@@ -16,7 +16,7 @@ Two machines, c10d rendezvous (the same command on both; survives a crashed rank
         --rdzv-id demo --max-restarts 3 template/train_ddp.py --out /shared/runs/demo
 Slurm: template/train_ddp.sbatch. On several machines --out must be a folder that every machine sees.
 
-Run the same command again and it resumes from OUT/checkpoint.pt if there is one (a new --out starts
+Run the same command again and it resumes from the newest OUT/checkpoint-<step>.pt (a new --out starts
 afresh; changed settings are refused). `kill -TERM` (Slurm's preemption signal) saves a checkpoint
 within two steps and exits.
 """
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 from tqdm import tqdm
@@ -185,6 +186,14 @@ def metric_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch
             "accuracy": (outputs.argmax(1) == targets).sum(), "count": torch.tensor(targets.numel())}
 
 
+def split_batch(batch) -> tuple:
+    """(inputs, targets) from what the DataLoader gives: a (inputs, targets) pair here; for batches
+    that are dicts, e.g. return batch["input_ids"], batch["labels"]. Inputs may be a tensor, or a
+    dict or tuple of tensors that the model takes as one argument."""
+    inputs, targets = batch
+    return inputs, targets
+
+
 # The validation metric that picks best.pt, and its direction (a language model: "loss", False).
 BEST_METRIC, HIGHER_IS_BETTER = "accuracy", True
 
@@ -206,6 +215,23 @@ def save_atomic(obj, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """OUT/checkpoint-<step>.pt, newest first."""
+    return sorted(out.glob("checkpoint-*.pt"), key=lambda p: int(p.stem.split("-")[1]), reverse=True)
+
+
+def newest_loadable_checkpoint(out: Path, device: torch.device) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads; one that does not (cut off by a full disk, say) is skipped
+    with a warning and the one before it is used."""
+    for path in checkpoints(out):
+        try:
+            return path, torch.load(path, map_location=device, weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any unreadable file: try the one before
+            log.warning("%s cannot be read (%s: %s): trying the checkpoint before it", path,
+                        type(error).__name__, str(error).splitlines()[0][:200])
+    return None
 
 
 def rng_state(device: torch.device) -> dict:
@@ -233,6 +259,23 @@ def load_pretrained(model: nn.Module, path: str) -> None:
     model.load_state_dict(state)  # strict: a key that does not fit is an error, not a silent skip
 
 
+def to_device(x, device: torch.device):
+    """Tensors, and dicts, lists and tuples of them, moved to `device` (asynchronously from pinned memory)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    return x
+
+
+def write_metrics(path: Path, record: dict) -> None:
+    """One JSON line per record (read back with pandas.read_json(path, lines=True))."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def settle_bucket_order(model: DDP, batch) -> None:
     """A forward and backward that change nothing, so that DDP fixes its gradient buckets now.
 
@@ -241,10 +284,9 @@ def settle_bucket_order(model: DDP, batch) -> None:
     round differently in the last bit: a resumed run would drift from an uninterrupted one. Doing it
     here, in every run, makes every real step use the same buckets. (eval(): BatchNorm's running
     statistics stay as they are and dropout draws nothing.)"""
-    inputs, targets = batch
-    device = next(model.parameters()).device
+    inputs, targets = to_device(split_batch(batch), next(model.parameters()).device)
     model.eval()
-    loss_fn(model(inputs.to(device)), targets.to(device)).backward()
+    loss_fn(model(inputs), targets).backward()
     model.zero_grad(set_to_none=True)
     model.train()
 
@@ -274,8 +316,8 @@ def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, devic
     mine = Subset(val_set, range(rank, len(val_set), world_size))
     loader = DataLoader(mine, batch_size=args.batch_size, num_workers=0, pin_memory=device.type == "cuda")
     totals: dict[str, torch.Tensor] = {}
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    for batch in loader:
+        inputs, targets = to_device(split_batch(batch), device)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             outputs = net(inputs)
         for name, value in metric_sums(outputs, targets).items():
@@ -308,6 +350,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=50, help="optimizer steps between checkpoints")
+    p.add_argument("--keep", type=int, default=2, help="how many checkpoints to keep (a corrupt newest falls back)")
     p.add_argument("--log-every", type=int, default=20, help="optimizer steps between log lines")
     p.add_argument("--timeout-s", type=float, default=600,
                    help="how long a collective may wait for the other ranks before failing")
@@ -385,6 +428,7 @@ def fail_once_if_asked(args: argparse.Namespace, out: Path, rank: int, step: int
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+@record  # an exception's traceback goes to torchrun's summary of the failed ranks
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
@@ -433,15 +477,19 @@ def main() -> None:
     amp_dtype = pick_amp(args.amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
 
-    ckpt, best_path = out / "checkpoint.pt", out / "best.pt"
+    best_path = out / "best.pt"
     settings = {**{k: getattr(args, k) for k in KEPT_ON_RESUME},
                 "global_batch": world_size * args.batch_size * args.accum, "world_size": world_size}
     step, best = 0, None  # step: optimizer steps done; best: the best value of BEST_METRIC so far
-    # Resume if a checkpoint exists. Rank 0 looks and tells the others, so that all ranks decide alike.
-    found = torch.tensor([ckpt.exists()], dtype=torch.int32, device=device)
-    dist.broadcast(found, src=0)
-    if found.item():
-        state = torch.load(ckpt, map_location=device, weights_only=True)  # FileNotFoundError: --out not shared
+    # Resume from the newest checkpoint that loads. Rank 0 chooses and tells the others, so that all
+    # ranks resume from the same file.
+    found = newest_loadable_checkpoint(out, device) if is_main else None
+    chosen = [str(found[0]) if found else None]
+    dist.broadcast_object_list(chosen)
+    if chosen[0] is not None:
+        ckpt = Path(chosen[0])
+        # (FileNotFoundError on another machine: --out is not a folder that every machine sees)
+        state = found[1] if is_main else torch.load(ckpt, map_location=device, weights_only=True)
         saved = state.get("settings", {})
         problems = resume_problems(saved, args, world_size)
         if problems:
@@ -467,13 +515,18 @@ def main() -> None:
                         "same, the ranks' random streams are not", world_size, len(state["rng"]))
         log.info("resumed from %s at step %d (epoch %d)", ckpt, step, step // max(1, steps_per_epoch))
 
-    def save_checkpoint() -> None:
+    def save_checkpoint() -> Path:
+        """OUT/checkpoint-<step>.pt with everything a resume needs; only the newest --keep stay."""
         rngs = [None] * world_size
         dist.all_gather_object(rngs, rng_state(device))  # every rank's generators (e.g. for dropout)
+        path = out / f"checkpoint-{step:07d}.pt"
         if is_main:
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "scaler": scaler.state_dict(), "step": step, "best": best, "rng": rngs,
-                         "settings": settings}, ckpt)
+                         "settings": settings}, path)
+            for old in checkpoints(out)[args.keep:]:
+                old.unlink(missing_ok=True)
+        return path
 
     # Two validation samples, batched without a DataLoader: iterating one draws from the global
     # random generator, which a resumed run has just restored.
@@ -486,6 +539,8 @@ def main() -> None:
     # SIGTERM may reach one rank only, and all must stop at the same step: every step all-reduces the
     # ranks' stop flags, without waiting, and reads the sum one step later (no pause for the GPU).
     stop_votes, stop_work = None, None
+    metrics = out / "metrics.jsonl"  # rank 0 appends a line per log step and per validation
+    window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
     while step < total_steps and not stopped:
         epoch, done_in_epoch = divmod(step, steps_per_epoch)
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
@@ -497,19 +552,17 @@ def main() -> None:
         for _ in range(done_in_epoch, min(steps_per_epoch, done_in_epoch + total_steps - step)):
             fail_once_if_asked(args, out, rank, step)
             time.sleep(args.step_delay)
-            loss_sum = torch.zeros((), device=device)
             for k in range(args.accum):
-                images, labels = next(micro_batches)
-                images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+                inputs, targets = to_device(split_batch(next(micro_batches)), device)
                 last = k == args.accum - 1
                 with model.no_sync() if not last else nullcontext():  # all-reduce once per step
                     with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                        loss = loss_fn(model(images), labels) / args.accum
+                        loss = loss_fn(model(inputs), targets) / args.accum
                     scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            if args.clip_grad > 0:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                window["loss"] += loss.detach()
+            scaler.unscale_(optimizer)  # clip (and log) the true gradients, not the scaled ones
+            # --clip-grad 0: max_norm=inf measures the norm and scales by exactly 1, clipping nothing
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
             scaler.step(optimizer)  # skipped if fp16 gradients overflowed
             scaler.update()
             scheduler.step()
@@ -519,17 +572,27 @@ def main() -> None:
             if stop_work is not None:
                 stop_work.wait()
                 if stop_votes.item() > 0:  # some rank got SIGTERM before the step before this one
-                    save_checkpoint()
-                    log.info("SIGTERM: saved %s at step %d; run the same command to resume", ckpt, step)
+                    saved_to = save_checkpoint()
+                    log.info("SIGTERM: saved %s at step %d; run the same command to resume", saved_to, step)
                     stopped = True
                     break
             stop_votes = torch.tensor([float(STOP_REQUESTED)], device=device)
             stop_work = dist.all_reduce(stop_votes, async_op=True)
-            if step % args.log_every == 0:
-                mean_loss = loss_sum.float()
-                dist.all_reduce(mean_loss)
-                log.info("step %d/%d  loss %.4f  lr %.3g", step, total_steps, mean_loss.item() / world_size,
-                         scheduler.get_last_lr()[0])
+            window["steps"] += 1
+            if step % args.log_every == 0:  # (no .item() between these points: the CPU runs ahead of the GPU)
+                loss_total = window["loss"].float()
+                dist.all_reduce(loss_total)
+                seconds = time.monotonic() - window["since"]
+                record = {"step": step, "epoch": round(step / steps_per_epoch, 4),
+                          "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
+                          "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0],
+                          "step_time_s": seconds / window["steps"],
+                          "samples_per_s": window["steps"] * settings["global_batch"] / seconds}
+                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s", step, total_steps,
+                         record["loss"], record["grad_norm"], record["lr"], record["samples_per_s"])
+                if is_main:
+                    write_metrics(metrics, record)
+                window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
             if step % args.checkpoint_every == 0 and step % steps_per_epoch != 0:  # (epoch ends save below)
                 save_checkpoint()
         if stopped:
@@ -541,6 +604,8 @@ def main() -> None:
             val = evaluate(model.module, val_set, rank, world_size, device, args, amp_dtype)
             log.info("step %d (epoch %.2f): validation %s", step, step / steps_per_epoch,
                      ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
+            if is_main:
+                write_metrics(metrics, {"step": step, "validation": val})
             value = val[BEST_METRIC]
             if best is None or (value > best if HIGHER_IS_BETTER else value < best):
                 best = value

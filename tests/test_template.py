@@ -108,7 +108,7 @@ def test_sigterm_saves_and_a_killed_rank_resumes_bit_for_bit(tmp_path):
     assert "SIGTERM: saved" in log, log[-4000:]
     # No process died: the one traceback is torchrun's own, which reports the signal it got.
     assert log.count("Traceback") == log.count("SignalException: Process") == 1, log[-4000:]
-    stopped_at = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+    stopped_at = torch.load(max(out.glob("checkpoint-*.pt")), weights_only=True)["step"]
     assert 1 <= stopped_at <= 3, log[-3000:]  # the step under way, and the one after it
     assert not (out / "result.json").exists()
     no_temporary_files(out)
@@ -117,7 +117,7 @@ def test_sigterm_saves_and_a_killed_rank_resumes_bit_for_bit(tmp_path):
     # processes, and they resume from the last checkpoint.
     fail_at = stopped_at + 10
     resumed, log = train(out, 2, *args, "--workers", "1", "--fail-at-step", fail_at, "--fail-rank", "1", restarts=1)
-    assert f"resumed from {out / 'checkpoint.pt'} at step {stopped_at} " in log, log[-3000:]
+    assert f"resumed from {out / f'checkpoint-{stopped_at:07d}.pt'} at step {stopped_at} " in log, log[-3000:]
     assert f"killing myself (SIGKILL) before step {fail_at}" in log, log[-3000:]
     assert log.count("resumed from") == 2, log[-3000:]
     assert resumed["weights_sha256"] == plain["weights_sha256"], "not bit for bit equal after SIGTERM and a restart"
@@ -202,13 +202,23 @@ def test_two_hosts_a_killed_rank_restarts_everywhere_and_resumes_bit_for_bit(tmp
 
 def test_resume_adapts_to_more_epochs_and_refuses_other_settings(tmp_path):
     """A finished 1-epoch run goes on for a second epoch (the schedule is rebuilt for the new total,
-    not restored: OneCycleLR would raise); a changed learning rate or global batch is refused at
-    once, with the reason, instead of being dropped silently."""
+    not restored: OneCycleLR would raise), from the checkpoint before the newest when the newest is
+    corrupt; a changed learning rate or global batch is refused at once, with the reason, instead of
+    being dropped silently. Rank 0 logs metrics to OUT/metrics.jsonl."""
     out = tmp_path / "run"
-    first, _ = train(out, 2, "--epochs", "1", "--batch-size", "16", "--workers", "0")
+    first, _ = train(out, 2, "--epochs", "1", "--batch-size", "16", "--workers", "0", "--log-every", "10")
     assert first["step"] == STEPS // 2, first
+    kept = sorted(p.name for p in out.glob("checkpoint-*.pt"))
+    assert kept == ["checkpoint-0000040.pt", "checkpoint-0000044.pt"], kept  # --keep 2
+    (out / "checkpoint-0000044.pt").write_bytes(b"cut off by a full disk")
     second, log = train(out, 2, "--epochs", "2", "--batch-size", "16", "--workers", "0")
-    assert second["step"] == STEPS and f"resumed from {out / 'checkpoint.pt'} at step {STEPS // 2} " in log, log[-3000:]
+    assert "checkpoint-0000044.pt cannot be read" in log, log[-3000:]
+    assert second["step"] == STEPS and f"resumed from {out / 'checkpoint-0000040.pt'} at step 40 " in log, log[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps[:4]] == [10, 20, 30, 40], records[:5]
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0 and r["samples_per_s"] > 0 for r in steps), steps
+    assert any(r.get("validation", {}).get("count") == 360 for r in records), records[-3:]
     for changed, reason in ((["--lr", "0.5"], "--lr was 0.1, now 0.5"),
                             (["--batch-size", "8"], "the global batch (processes x --batch-size x --accum) was 32")):
         done = torchrun_script(SCRIPT, 2, "--out", str(out), *TINY, "--epochs", "3", "--batch-size", "16",
