@@ -2,6 +2,12 @@
 
 You need not read it to do the lab. The lab file hands over its functions: `lab.X` below is the
 lab's X (this module never imports the lab).
+
+Two modes. Without arguments it runs the three fixed jobs under TORCH_DISTRIBUTED_DEBUG=DETAIL
+(so that mismatched collectives fail at once, not after a timeout), keeps a count of each rank's
+collectives and, when a job fails, tells every rank where the others were (through the group's
+store, which still works when a collective has broken the group). With `--broken jobN` it runs
+that job as it was handed over, with the tools of chapter 14 on, and says where to look.
 """
 
 from __future__ import annotations
@@ -9,44 +15,65 @@ from __future__ import annotations
 import faulthandler
 import hashlib
 import inspect
+import json
 import os
 import pickle
+import re
+import shutil
 import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, run_lab
-from ringside.lab import explain
+from ringside.lab import ranks_label
+from ringside.launch import ROOT
+from ringside.runtime import finish
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
+TIMEOUT = timedelta(seconds=10)  # the fixed jobs' collectives (and --broken job2, job3)
+BROKEN_TIMEOUT = {"job1": timedelta(seconds=120), "job2": TIMEOUT, "job3": TIMEOUT}  # time to look
+DUMP_AFTER = 5.0  # --broken: seconds until each rank writes its stack and flight recorder to files
+LAB_FILE = "14_debugging.py"
 
-# --- The checks: each fixed job against a single-process reference --------------------------------
+
+# --- The references: each fixed job in one process ------------------------------------------------
 
 
-def reference_job1() -> tuple[torch.Tensor, list[float]]:
-    """Full-batch gradient descent on all 96 samples in one process: with equal shards, the mean
-    of the shards' mean gradients is the full mean gradient, and so for the loss."""
+def reference_job1(world_size: int, target: float) -> tuple[torch.Tensor, int]:
+    """Every rank's step simulated in one process: the shards' batch losses, the loop ended at the
+    first step whose mean loss is below `target`, else the shards' gradients averaged."""
     x, y = lab.training_data(torch.device("cpu"))
-    w, logged = lab.new_weights(torch.device("cpu")), []
-    for step in range(lab.STEPS):
-        loss = lab.batch_loss(w, x, y)
-        if step % lab.LOG_EVERY == 0:
-            logged.append(loss.item())
-        w.grad = None
-        loss.backward()
+    shards = [(x[r::world_size], y[r::world_size]) for r in range(world_size)]
+    w, updates = lab.new_weights(torch.device("cpu")), 0
+    for step in range(lab.MAX_STEPS):
+        start = step * lab.BATCH % (lab.N_TRAIN // world_size)
+        losses = [lab.batch_loss(w, xs[start:start + lab.BATCH], ys[start:start + lab.BATCH]) for xs, ys in shards]
+        if sum(loss.item() for loss in losses) / world_size < target:
+            break
+        grads = [torch.autograd.grad(loss, w)[0] for loss in losses]
         with torch.no_grad():
-            w -= lab.LR * w.grad
-    return w.detach(), logged
+            w -= lab.LR * torch.stack(grads).mean(dim=0)
+        updates += 1
+    return w.detach(), updates
 
 
-def reference_job2() -> float:
-    """The mean squared error over all 1001 samples, in one process, in float64."""
-    x, y, w = lab.validation_data(torch.device("cpu"))
-    return ((x.double() @ w.double() - y.double()) ** 2).mean().item()
+def reference_job2(world_size: int, device: torch.device) -> tuple[float, float]:
+    """The mean squared error over all 1001 samples: the chunks' float32 squared errors (computed on
+    the ranks' device, as they do) added up in float64, and everything in float64 (also accepted)."""
+    x, y, w = lab.validation_data(device)
+    errors = torch.cat([((xc @ w - yc) ** 2).flatten() for xc, yc in zip(x.chunk(world_size), y.chunk(world_size))])
+    exact = ((x.double() @ w.double() - y.double()) ** 2).mean().item()
+    return errors.double().sum().item() / errors.numel(), exact
 
 
 def reference_job3(world_size: int) -> torch.Tensor:
@@ -70,66 +97,212 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a.cpu().double(), b.cpu().double(), rtol=1e-5, atol=1e-6)
 
 
-def run_fixed(job, me: Rank, checks: Checks):
-    """Run a fixed job; a crash or a timeout becomes a verdict that names the job (then stop:
-    a group that a collective left broken cannot run the next job)."""
+# --- Where each rank is: its collectives counted, and shared through the store --------------------
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "reduce", "gather", "scatter", "barrier", "all_to_all", "all_to_all_single",
+               "all_gather_object", "broadcast_object_list", "send", "recv", "isend", "irecv")
+
+
+def lab_frames(frames) -> str:
+    """The two innermost lines of the lab (or solution) file among `frames`: "line 81 (f) <- line 95 (g)"."""
+    ours = [f for f in frames if f.filename.endswith(LAB_FILE) and f.name != "<module>"][-2:]
+    return " <- ".join(f"line {f.lineno} ({f.name})" for f in reversed(ours)) or "an unknown line"
+
+
+def lab_line() -> str:
+    return lab_frames(traceback.extract_stack())
+
+
+def where(error: BaseException) -> str:
+    return lab_frames(traceback.extract_tb(error.__traceback__))
+
+
+def shape_of(args) -> str:
+    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return str(list(tensor.shape)) if tensor is not None else "objects"
+
+
+class Collectives:
+    """This rank's collectives in one job: how many it called, and the one it is in."""
+
+    def __init__(self):
+        self.count = 0
+        self.current: dict | None = None
+
+    @contextmanager
+    def counted(self):
+        originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+        def counting(name, original):
+            def call(*args, **kwargs):
+                self.count += 1
+                self.current = {"n": self.count, "op": name, "shape": shape_of(args), "where": lab_line()}
+                result = original(*args, **kwargs)
+                self.current = None
+                return result
+            return call
+
+        for name, original in originals.items():
+            setattr(dist, name, counting(name, original))
+        try:
+            yield self
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+
+
+def store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def post(phase: str, rank: int, state: dict) -> None:
     try:
-        return True, job(me)
+        store().set(f"lab14/{phase}/{rank}", json.dumps(state))
+    except Exception:  # no store: each rank speaks for itself
+        pass
+
+
+def wait_for_the_others(phase: str, world_size: int, seconds: float) -> dict[int, dict]:
+    """The states the ranks posted for `phase`, waiting up to `seconds` for all of them."""
+    states, deadline = {}, time.monotonic() + seconds
+    try:
+        while True:
+            for rank in range(world_size):
+                key = f"lab14/{phase}/{rank}"
+                if rank not in states and store().check([key]):
+                    states[rank] = json.loads(store().get(key))
+            if len(states) == world_size or time.monotonic() > deadline:
+                return states
+            time.sleep(0.05)
+    except Exception:
+        return states
+
+
+def describe(state: dict, job: str) -> str:
+    if state["kind"] == "returned":
+        return f"returned from {job} after {state['count']} collectives"
+    if state["kind"] == "collective":
+        raised = f", which raised {state['error']}" if state.get("error") else ""
+        return f"was in collective #{state['n']}, {state['op']} of {state['shape']} at {state['where']}{raised}"
+    return f"raised {state['error']}"
+
+
+FEWER = {  # a rank returned while others waited in a collective: what that means in each job
+    "job1": "a rank that leaves the loop alone leaves the others waiting: every rank must end the loop at "
+            "the same step, on a value that every rank shares",
+    "job2": "every rank must call the same collectives",
+    "job3": "a rank that skips a step alone calls fewer collectives than the others: every rank must "
+            "skip together",
+}
+
+
+def parted_ways(job: str, states: dict[int, dict], world_size: int) -> str:
+    """Where every rank was when the job failed, grouped, and what that suggests."""
+    groups: dict[str, list[int]] = {}
+    for rank in range(world_size):
+        if rank in states:
+            text = describe(states[rank], job)
+        else:
+            text = "sent no news (its process may have died)"
+        groups.setdefault(text, []).append(rank)
+    said = "; ".join(f"{ranks_label(ranks)} {'were' + text[3:] if len(ranks) > 1 and text.startswith('was') else text}"
+                     for text, ranks in groups.items())
+    kinds = [s["kind"] for s in states.values()]
+    inside = [s for s in states.values() if s["kind"] == "collective"]
+    if "raised" in kinds or any(s.get("error") for s in inside):
+        hint = ("read that error: it came first, the other ranks only waited" if len(set(kinds)) > 1
+                else "read that error")
+    elif "returned" in kinds and inside:
+        hint = FEWER[job.split("_")[0]]
+    elif len({(s["op"], s["shape"], s["where"]) for s in inside}) > 1:
+        if {s["op"] for s in inside} == {"all_gather"} and len({s["shape"] for s in inside}) > 1:
+            hint = ("all_gather needs tensors of one shape on every rank: an all_gather of chunks of "
+                    "unequal sizes")
+        else:
+            hint = ("the ranks called different collectives at the same point: one of them is in a "
+                    "branch that not every rank takes (an `if me.is_main`, a test on this rank's own data)")
+    else:
+        hint = "every rank waits in the same collective: did a rank miss an earlier one?"
+    return f"{job} failed, the ranks parted ways: {said} - {hint}"
+
+
+def run_fixed(job, me: Rank, checks: Checks):
+    """Run a fixed job, counting its collectives. If it fails here, say where every rank was."""
+    tracker = Collectives()
+    try:
+        with tracker.counted():
+            result = job(me)
     except NotImplementedError:
         raise
     except Exception as error:
-        why = explain(error)
-        if job.__name__ == "job2_fixed" and ("reset by peer" in why or "closed" in why):
-            # gloo, all_gather of unequal sizes: the rank that receives more than it expects aborts
-            # (SIGABRT), so its peers see a dead connection rather than the mismatch itself
-            why += (" - a peer died inside a collective: an all_gather of chunks of unequal sizes "
-                    "aborts the rank that receives more than it expects")
-        checks.fail(f"{job.__name__} failed on rank {me.rank}: {why}")
+        if tracker.current is not None:
+            state = {"kind": "collective", **tracker.current}
+            if not re.search(r"timed out|timeout|monitoredBarrier|mismatch between collectives|closed|reset by peer",
+                             f"{type(error).__name__} {error}", re.IGNORECASE):  # not a waiting rank's error
+                state["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:120]}"
+        else:
+            state = {"kind": "raised", "error": f"{type(error).__name__}: {' '.join(str(error).split())[:120]} "
+                                                f"at {where(error)}"}
+        post(job.__name__, me.rank, state)
+        # the others fail at once too, or time out waiting for this rank: wait for their news as long
+        states = wait_for_the_others(job.__name__, me.world_size, seconds=TIMEOUT.total_seconds() + 5)
+        checks.fail(parted_ways(job.__name__, states, me.world_size))
         return False, None
+    post(job.__name__, me.rank, {"kind": "returned", "count": tracker.count})
+    return True, result
+
+
+def everyone_returned(job, me: Rank, checks: Checks) -> bool:
+    """Wait until every rank has left `job` (a rank stuck in a collective times out). When some did
+    not return, this rank's result means nothing: say, as they do, where every rank was."""
+    states = wait_for_the_others(job.__name__, me.world_size, seconds=3 * TIMEOUT.total_seconds() + 10)
+    if len(states) == me.world_size and all(s["kind"] == "returned" for s in states.values()):
+        return True
+    checks.fail(parted_ways(job.__name__, states, me.world_size))
+    return False
+
+
+# --- The checks of the fixed jobs -----------------------------------------------------------------
 
 
 def check_job1(me: Rank, checks: Checks, result) -> None:
-    w, logged = result
-    ref_w, ref_logged = reference_job1()
-    if torch.isnan(w).any():
-        checks.fail("job1_fixed: the weights hold NaN")
-    checks.expect(close(w, ref_w), "job1_fixed: the weights differ from full-batch gradient descent "
-                                   "in one process - change only the logging, not the training step")
-    shared = [logged]  # rank 0's log, which is the one that counts, checked on every rank
-    dist.broadcast_object_list(shared, src=0)
-    logged = shared[0]
-    if not isinstance(logged, list) or len(logged) != len(ref_logged):
-        checks.fail(f"job1_fixed: rank 0 logged {logged!r}, expected {len(ref_logged)} losses "
-                    f"(steps 0, {lab.LOG_EVERY}, {2 * lab.LOG_EVERY})")
-        return
     try:
-        got = torch.tensor([float(v) for v in logged], dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        checks.fail(f"job1_fixed: rank 0 logged {logged!r}, expected numbers (use .item())")
+        w, updates = result
+        updates = int(updates)
+    except (TypeError, ValueError):
+        checks.fail(f"job1_fixed returned {result!r}, expected (weights, number of updates)")
         return
-    want = torch.tensor(ref_logged, dtype=torch.float64)
-    ratio = (got / want).mean().item()
-    if close(got, want):
-        checks.expect(True, "")
-    elif abs(ratio - me.world_size) < 1e-3:
-        checks.fail(f"job1_fixed: the logged losses are {me.world_size}x too large - the "
-                    f"all_reduce adds the ranks' losses: divide by world_size")
+    ref_w, ref_updates = reference_job1(me.world_size, lab.TARGET_LOSS)
+    if updates != ref_updates:
+        _, on_the_sum = reference_job1(me.world_size, lab.TARGET_LOSS / me.world_size)
+        if updates == on_the_sum:
+            hint = ("that is where the sum of the ranks' losses falls below TARGET_LOSS: the all_reduce "
+                    "adds them, divide by world_size for their mean")
+        else:
+            hint = ("the loop must end at the first step whose loss, the mean over the ranks, is below "
+                    "TARGET_LOSS, before that step's update, on every rank")
+        checks.fail(f"job1_fixed: {updates} updates, expected {ref_updates} - {hint}")
+    elif torch.isnan(w).any() or not close(w, ref_w):
+        checks.fail("job1_fixed: the weights differ from the reference after the right number of "
+                    "updates - change only where the loop ends, not the training step")
     else:
-        checks.fail(f"job1_fixed: rank 0 logged {[round(v, 4) for v in logged]}, expected the "
-                    f"mean over ranks {[round(v, 4) for v in ref_logged]} - did every rank's "
-                    f"loss enter the all_reduce?")
+        checks.expect(True, "")
 
 
 def check_job2(me: Rank, checks: Checks, mse) -> None:
-    want = reference_job2()
     if not isinstance(mse, float):
         checks.fail(f"job2_fixed returned {type(mse).__name__}, expected a float (use .item())")
+        return
+    want, exact = reference_job2(me.world_size, me.device)
+    if any(abs(mse - v) <= 1e-10 * abs(v) for v in (want, exact)):
+        checks.expect(True, "")
         return
     x, y, w = lab.validation_data(torch.device("cpu"))
     chunks = [((xc @ w - yc) ** 2).double() for xc, yc in zip(x.chunk(me.world_size), y.chunk(me.world_size))]
     mean_of_means = sum(c.mean().item() for c in chunks) / me.world_size
     mine = chunks[me.rank].mean().item()
-    tolerance = 1e-6 * want  # float32 squared errors added in float64: relative error about 1e-7
+    tolerance = 1e-6 * want
     if mse != mse:
         hint = ("NaN - uninitialized values entered the mean: was it an all_gather of chunks of "
                 "unequal sizes? (all_gather needs one shape on every rank)")
@@ -137,17 +310,20 @@ def check_job2(me: Rank, checks: Checks, mse) -> None:
         hint = "that is the mean of the ranks' means: the chunks have unequal sizes, so add sums and counts"
     elif abs(mse - mine) <= tolerance:
         hint = "that is this rank's own chunk only: combine the ranks' results with a collective"
+    elif abs(mse - want) <= 1e-5 * want:
+        hint = (f"{abs(mse - want) / want:.0e} off, float32 precision: add up the sums and counts in "
+                f"float64, which keeps 1e-10")
     else:
         hint = ("did padding, a wrong count or an all_gather of chunks of unequal sizes enter the "
                 "mean? divide the total sum by 1001")
-    checks.expect(abs(mse - want) <= tolerance,
-                  f"job2_fixed: the mean squared error is {mse:.6f} on rank {me.rank}, expected "
-                  f"{want:.6f} - {hint}")
+    checks.fail(f"job2_fixed: the mean squared error is {mse:.10f}, expected {want:.10f} - {hint}")
 
 
 def check_job3(me: Rank, checks: Checks, w) -> None:
     want = reference_job3(me.world_size)
-    if torch.isnan(w).any():
+    if not isinstance(w, torch.Tensor):
+        checks.fail(f"job3_fixed returned {type(w).__name__}, expected the weights")
+    elif torch.isnan(w).any():
         checks.fail("job3_fixed: the weights hold NaN - the step with the corrupt sample was not "
                     "skipped on every rank")
     elif not close(w, want):
@@ -158,25 +334,30 @@ def check_job3(me: Rank, checks: Checks, w) -> None:
         checks.expect(True, "")
 
 
+# --- The diagnoses --------------------------------------------------------------------------------
+
+
 def fingerprint(*parts) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
 # The answers, kept as fingerprints (job, world size, rank) and (job, line) so that reading the
-# check does not give them away. Each job accepts either of two lines.
-FAULT_RANKS = {"ac3bf3a074ee5aa2", "ddbb76a1bcaeaac3", "582af1946f95a8a0", "3b09f505ed279966",
-               "145ce290f9e60f15", "b1534717631c25a8", "b348fa9cbdb8aaf0", "a3a8bf0e25ae1bc1",
-               "b825ac24c31f3306"}
-FAULT_LINES = {"job1": {"cccaef81f6132e62", "6571be5438b66085"},
-               "job2": {"a296c32b6a7938a6", "f5d6d5d12312807f"},
-               "job3": {"ede296f9ac1e41b0", "5311414388c0de77"}}
+# check does not give them away. Where the line is an `if`, its condition and the line it guards
+# are both accepted (the lab's diagnose says so).
+FAULT_RANKS = {"145ce290f9e60f15", "4c2227440ae454a4", "4e90027415d8af94", "8078e636861558c2",
+               "a3a8bf0e25ae1bc1", "db64ff32a9cbe2f5", "ddbb76a1bcaeaac3", "f34ccf7a756c25ba",
+               "f4266f49d2a05d7f"}
+FAULT_LINES = {"job1": {"8edc276ae6bd4509", "df41719300f5bf7e"},
+               "job2": {"a296c32b6a7938a6"},
+               "job3": {"5311414388c0de77", "ede296f9ac1e41b0"}}
 HOW_TO_FIND = {
-    "job1": ("job1_broken", "which rank sits in a collective that the others never call? Dump every "
-                            "rank's stack (kill -USR1) and read them side by side"),
-    "job2": ("job2_broken", "whose tensor has a shape unlike the others'? TORCH_DISTRIBUTED_DEBUG=DETAIL "
-                            "prints every rank's shapes"),
-    "job3": ("job3_broken", "which rank raised first? The others only timed out waiting for it: look "
-                            "for the first traceback, not the last"),
+    "job1": ("job1_broken", "which rank is not where the others are? Run --broken job1 at this number of "
+                            "ranks and read runs/lab14/job1/ side by side: each rank's stack and the flight "
+                            "recorder's last sequence numbers"),
+    "job2": ("job2_broken", "whose collective differs from the others'? --broken job2 runs under "
+                            "TORCH_DISTRIBUTED_DEBUG=DETAIL, which prints each rank's collective and shape"),
+    "job3": ("job3_broken", "which rank failed first, and why? Under --broken job3 the others only "
+                            "wait for it: look for the first error that is not a timeout"),
 }
 
 
@@ -204,8 +385,8 @@ def check_diagnoses(me: Rank, checks: Checks) -> None:
             checks.fail(f"diagnosis of {job}: {entry['line']!r} is not a line of {broken.__name__}: "
                         f"copy the faulty line as it stands")
         elif fingerprint(job, line) not in FAULT_LINES[job]:
-            checks.fail(f"diagnosis of {job}: the line {entry['line']!r} runs the same on every rank "
-                        f"and is not where the ranks part ways - {hint}")
+            checks.fail(f"diagnosis of {job}: the line {entry['line']!r} is not where the rank at fault "
+                        f"parts ways from the others - {hint}")
         elif len(str(entry["cause"]).split()) < 4:
             checks.fail(f"diagnosis of {job}: say in a sentence why it fails (the cause)")
         else:
@@ -215,8 +396,15 @@ def check_diagnoses(me: Rank, checks: Checks) -> None:
 # --- A broken job under the microscope (--broken jobN) --------------------------------------------
 
 
-def last_collectives(count: int = 2) -> list[str]:
-    """This rank's last collectives from the flight recorder, with the line that called each."""
+def broken_job() -> str | None:
+    if "--broken" not in sys.argv:
+        return None
+    at = sys.argv.index("--broken")
+    return sys.argv[at + 1] if at + 1 < len(sys.argv) else ""
+
+
+def recorder_lines(count: int = 6) -> list[str]:
+    """This rank's last collectives from the flight recorder, with the lab's lines that called each."""
     try:
         dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     except Exception as error:  # a private API: say so rather than fail
@@ -224,11 +412,48 @@ def last_collectives(count: int = 2) -> list[str]:
     ours_only = [e for e in dump.get("entries", []) if e.get("pg_id") == 0]  # DETAIL adds a helper group's
     lines = []
     for entry in ours_only[-count:]:
-        ours = [f for f in entry.get("frames", []) if f["filename"].endswith("14_debugging.py")]
-        where = f"line {ours[0]['line']} ({ours[0]['name']})" if ours else "?"
-        lines.append(f"#{entry['collective_seq_id']} {entry['profiling_name']} sizes "
-                     f"{entry['input_sizes']} called at {where}")
+        frames = [f for f in entry.get("frames", []) if f["filename"].endswith(LAB_FILE) and f["name"] != "<module>"]
+        called = " <- ".join(f"line {f['line']} ({f['name']})" for f in frames[:2]) or "?"
+        lines.append(f"#{entry['collective_seq_id']} {entry['profiling_name'].split(':')[-1]} of "
+                     f"{entry['input_sizes']}, called at {called}")
     return lines
+
+
+def write_dumps(stacks, recorder: Path, rank: int, main_thread: int) -> None:
+    """This rank's Python stack (its main thread) appended to `stacks`, then its flight recorder."""
+    frame = sys._current_frames().get(main_thread)
+    if frame is not None:
+        stacks.write(f"rank {rank}, pid {os.getpid()}: where the main thread is, {DUMP_AFTER:.0f} s after the "
+                     f"job started (most recent call last):\n" + "".join(traceback.format_stack(frame)) + "\n")
+        stacks.flush()
+    lines = recorder_lines()
+    recorder.write_text(f"rank {rank}: its last {len(lines)} collectives in the flight recorder, oldest first "
+                        f"(#: the group's sequence number)\n" + "\n".join(lines) + "\n")
+
+
+def short(error: BaseException) -> str:
+    """One line for an error of a broken job: DETAIL's messages (hundreds of characters) shortened."""
+    text = str(error)
+    mismatch = re.search(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                         r"OpType=(\w+), TensorShape=(\[[^\]]*\])", text)
+    if mismatch:
+        rank, seq, op, shape = mismatch.groups()
+        return (f"TORCH_DISTRIBUTED_DEBUG=DETAIL: collective #{seq} differs across ranks; this rank calls "
+                f"{op.lower()} of {shape} at {where(error)}")
+    missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
+    if missing:
+        return (f"DETAIL's monitored barrier: rank(s) {missing.group(1)} never came to the collective that "
+                f"this rank called at {where(error)}")
+    relayed = re.search(r"received errors while waiting for send/recv from rank (\d+)", text)
+    if relayed:
+        return (f"DETAIL's monitored barrier: this rank came to its collective at {where(error)}, and "
+                f"lost rank {relayed.group(1)} while it waited (read rank {relayed.group(1)}'s message)")
+    if "timed out" in text.lower() or "timeout" in type(error).__name__.lower():
+        return f"timed out in a collective at {where(error)}, waiting for a rank that never joined it"
+    if "closed by peer" in text.lower() or "reset by peer" in text.lower():
+        return f"a peer closed the connection during the collective at {where(error)}"
+    first = text.strip().splitlines()[0][:160] if text.strip() else ""
+    return f"{type(error).__name__}: {first} at {where(error)}"
 
 
 def run_broken(me: Rank, checks: Checks, job: str) -> None:
@@ -236,26 +461,68 @@ def run_broken(me: Rank, checks: Checks, job: str) -> None:
     if job not in jobs:
         checks.fail(f"--broken takes job1, job2 or job3, not {job!r}")
         return
-    faulthandler.register(signal.SIGUSR1, all_threads=False)  # kill -USR1 <pid>: this rank's stack
-    print(f"rank {me.rank}: pid {os.getpid()}, running {job}_broken", flush=True)
+    folder = ROOT / "runs" / "lab14" / job
+    folder.mkdir(parents=True, exist_ok=True)
+    shown = os.path.relpath(folder) if not os.path.relpath(folder).startswith("..") else str(folder)
+    if me.rank == 0:  # the files of an earlier run on more ranks would mislead
+        for stale in folder.glob("*_rank*.txt"):
+            if int(stale.stem.rsplit("rank", 1)[1]) >= me.world_size:
+                stale.unlink(missing_ok=True)
+    stacks = open(folder / f"stacks_rank{me.rank}.txt", "w")
+    recorder = folder / f"collectives_rank{me.rank}.txt"
+    recorder.unlink(missing_ok=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # kill -USR1 <pid>: a fresh stack
+    timer = threading.Timer(DUMP_AFTER, write_dumps, args=(stacks, recorder, me.rank, threading.get_ident()))
+    timer.daemon = True
+    timer.start()
+    post(f"pid-{job}", me.rank, {"pid": os.getpid()})
+    if me.rank == 0:
+        tools = ("TORCH_DISTRIBUTED_DEBUG=DETAIL, " if job != "job1" else "") + "the flight recorder"
+        pids = wait_for_the_others(f"pid-{job}", me.world_size, 30)
+        print(f"== {job}_broken as it was handed over, on {me.world_size} ranks: {tools} on, a "
+              f"{BROKEN_TIMEOUT[job].total_seconds():.0f} s timeout ==\n"
+              f"pids: " + ", ".join(f"rank {r} {pids[r]['pid']}" for r in sorted(pids)) + "\n"
+              f"After {DUMP_AFTER:.0f} s each rank writes its Python stack to {shown}/stacks_rank<R>.txt and its "
+              f"last collectives to {shown}/collectives_rank<R>.txt; `kill -USR1 <pid>` adds a fresh stack"
+              + (", and `py-spy dump --pid <pid>` shows one" if shutil.which("py-spy") else "")
+              + ". Ctrl-C ends the job.", flush=True)
+    start = time.monotonic()
     try:
         jobs[job](me)
-        checks.fail(f"{job}_broken finished on rank {me.rank} (it fails on other ranks)")
+        outcome = f"returned from {job}_broken"
     except Exception as error:
-        recorded = "; ".join(last_collectives())
-        checks.fail(f"{job}_broken on rank {me.rank}: {explain(error)}; last collectives: {recorded}")
+        outcome = short(error)
+    post(f"broken-{job}", me.rank, {"kind": "outcome", "text": outcome})
+    states = wait_for_the_others(f"broken-{job}", me.world_size, 3 * BROKEN_TIMEOUT[job].total_seconds() + 10)
+    waited = time.monotonic() - start
+    timer.cancel()
+    if me.rank == 0:
+        groups: dict[str, list[int]] = {}
+        for rank in range(me.world_size):
+            groups.setdefault(states[rank]["text"] if rank in states else "sent no news", []).append(rank)
+        print(f"\n== Lab 14 (debugging): {job}_broken, as handed over, on {me.world_size} ranks ==")
+        for text, ranks in groups.items():
+            print(f"{ranks_label(ranks)}: {text}")
+        if waited > DUMP_AFTER:
+            print(f"Each rank's stacks and last collectives are in {shown}/ (stacks_rank<R>.txt, "
+                  f"collectives_rank<R>.txt): read them side by side.")
+        print(f"Find the rank that is not where the others are and the line where it parts ways; "
+              f"then write {job}_fixed and your diagnosis, and run the lab without --broken.", flush=True)
+    finish(0)  # the broken job did what it was run for: no verdict, and no torchrun report
 
 
 def main(me: Rank, checks: Checks) -> None:
-    if lab.BROKEN:
-        run_broken(me, checks, lab.BROKEN)
+    job = broken_job()
+    if job is not None:
+        run_broken(me, checks, job)
         return
-    for job, check in ((lab.job1_fixed, check_job1), (lab.job2_fixed, check_job2), (lab.job3_fixed, check_job3)):
-        ran, result = run_fixed(job, me, checks)
-        if ran:
-            check(me, checks, result)
-        if checks.failures:  # a failed collective can leave the group broken: fix this job first
+    for fixed, check in ((lab.job1_fixed, check_job1), (lab.job2_fixed, check_job2), (lab.job3_fixed, check_job3)):
+        ran, result = run_fixed(fixed, me, checks)
+        if not ran or not everyone_returned(fixed, me, checks):  # the group is broken: fix this job first
             return
+        check(me, checks, result)
+    if checks.failures:
+        return
     print0(f"the three fixed jobs match their single-process references on {me.world_size} ranks")
     check_diagnoses(me, checks)
 
@@ -263,4 +530,11 @@ def main(me: Rank, checks: Checks) -> None:
 def run(**learner) -> None:
     """Check the lab's code: the lab file calls this with its functions and classes."""
     vars(lab).update(learner)
-    run_lab(main, title="Lab 14 (debugging)", world_sizes=(2, 3, 4), timeout=timedelta(seconds=10))
+    job = broken_job()
+    # The tools must be on before the process group exists. DETAIL checks every collective against
+    # the other ranks' first; it would hold a hung job1's collective back before the flight recorder
+    # saw it, so job1 runs without it.
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "OFF" if job == "job1" else "DETAIL"
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "64"  # the flight recorder: each rank's last 64 collectives
+    dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
+    run_lab(main, title="Lab 14 (debugging)", world_sizes=(2, 3, 4), timeout=BROKEN_TIMEOUT.get(job, TIMEOUT))

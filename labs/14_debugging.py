@@ -3,11 +3,15 @@
 Below are three short jobs as a colleague handed them to you. Each works on one process and
 fails on several: one hangs, one dies with a message about sizes, one loses a rank mid-epoch
 while the others wait. For each job:
-  1. run the broken job and find the faulty rank and line with the tools of chapter 14:
+  1. run the broken job as it was handed to you, with the tools of chapter 14 switched on, and
+     find the rank at fault and the line where it parts ways from the others:
          OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 labs/14_debugging.py --broken job1
-     (--broken runs that job as it was handed to you, with TORCH_DISTRIBUTED_DEBUG=DETAIL and the
-     flight recorder on, a 10 s timeout, and each rank's pid printed: `kill -USR1 <pid>` from
-     another terminal dumps that rank's Python stack, `py-spy dump --pid <pid>` too if you have it);
+     --broken prints each rank's pid (for `kill -USR1 <pid>`, or `py-spy dump --pid <pid>` if you
+     have py-spy) and writes, after 5 s, each rank's Python stack and its flight recorder (its
+     last collectives, with the lines that called them) to files in runs/lab14/job1/; a `kill -USR1`
+     adds a fresh stack to its rank's file. A hung job1 waits 120 s before it times out (Ctrl-C
+     ends it sooner); job2 and job3 run under TORCH_DISTRIBUTED_DEBUG=DETAIL with a 10 s timeout.
+     The answer depends on the number of ranks: look at the one you will check with;
   2. write the fixed job (jobN_fixed) and record your diagnosis in `diagnose`.
 The check runs the fixed jobs and compares their results with a single-process reference, and
 checks that each diagnosis names the rank at fault and the line where it goes wrong.
@@ -19,9 +23,6 @@ Run it with 4 processes (2, 3 and 4 are accepted):
 # LAB: fill in every TODO, then run it with torchrun (the command is in the docstring).
 # (For maintainers: `make labs` writes this file from solutions/14_debugging.py; edit that one.)
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
@@ -29,30 +30,25 @@ from torch.nn import functional as F
 from ringside import Rank
 from ringside.data import regression
 
-BROKEN = sys.argv[sys.argv.index("--broken") + 1] if "--broken" in sys.argv[:-1] else None
-if BROKEN:  # the debugging tools must be switched on before the process group exists
-    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # collectives compared across ranks
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")  # the flight recorder: last 64 collectives
-    dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
-
 FEATURES = 8
 N_TRAIN = 96  # divisible by 2, 3 and 4: every rank gets an equal shard of the training set
-STEPS = 9  # job 1: full-batch steps
-LOG_EVERY = 4  # job 1: log the loss at steps 0, 4, 8
+BATCH = 4  # jobs 1 and 3: samples per rank and step
 LR = 0.1
+TARGET_LOSS = 0.1  # job 1: train until the loss is below this...
+MAX_STEPS = 60  # job 1: ...or for this many steps
 N_VAL = 1001  # job 2: validation samples
-BATCH = 4  # job 3: samples per rank and step
-BAD_SAMPLE = 37  # job 3: the index of a corrupt record
+LABEL_RANGE = 10.0  # job 3: the instrument that measured the labels writes NaN beyond +-10
 
 
 # --- What the three jobs share (correct as it is) -------------------------------------------------
 
 
 def training_data(device: torch.device, corrupt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same 96 samples on every rank; corrupt=True spoils one record with a NaN (job 3)."""
+    """The same 96 samples on every rank; corrupt=True gives the labels as the instrument recorded
+    them, NaN where a reading was out of its range (job 3)."""
     x, y = regression(N_TRAIN, FEATURES, seed=0).tensors
     if corrupt:
-        x[BAD_SAMPLE, 0] = float("nan")
+        y[y.abs() > LABEL_RANGE] = float("nan")
     return x.to(device), y.to(device)
 
 
@@ -89,18 +85,20 @@ def average_gradients_and_step(w: torch.Tensor, loss: torch.Tensor, me: Rank) ->
 # --- The three jobs as they were handed to you (leave these as they are) --------------------------
 
 
-def job1_broken(me: Rank) -> tuple[torch.Tensor, list[float]]:
-    """Train on full batches and log the mean loss over all ranks every LOG_EVERY steps.
-    Returns the weights and the logged losses (rank 0 logs)."""
+def job1_broken(me: Rank) -> tuple[torch.Tensor, int]:
+    """SGD on mini-batches of BATCH samples per rank, cycling through the shard, until the loss is
+    below TARGET_LOSS (checked before each step's update), at most MAX_STEPS steps. Returns the
+    weights and the number of updates made."""
     x, y = my_training_shard(me)
-    w, logged = new_weights(me.device), []
-    for step in range(STEPS):
-        loss = batch_loss(w, x, y)
+    w, updates = new_weights(me.device), 0
+    for step in range(MAX_STEPS):
+        start = step * BATCH % len(x)
+        loss = batch_loss(w, x[start:start + BATCH], y[start:start + BATCH])
+        if loss.item() < TARGET_LOSS:
+            break
         average_gradients_and_step(w, loss, me)
-        if me.is_main and step % LOG_EVERY == 0:
-            dist.all_reduce(loss)
-            logged.append(loss.item() / me.world_size)
-    return w.detach(), logged
+        updates += 1
+    return w.detach(), updates
 
 
 def job2_broken(me: Rank) -> float:
@@ -130,28 +128,31 @@ def job3_broken(me: Rank) -> torch.Tensor:
 # --- Your part: the three jobs fixed, and your diagnosis ------------------------------------------
 
 
-def job1_fixed(me: Rank) -> tuple[torch.Tensor, list[float]]:
-    """Job 1, fixed: the same training and the same log (rank 0's `logged` holds the mean loss
-    over all ranks at steps 0, 4, 8), and no rank ever waits for ever."""
+def job1_fixed(me: Rank) -> tuple[torch.Tensor, int]:
+    """Job 1, fixed: the same training, which ends at the first step whose loss - the mean of
+    the ranks' batch losses - is below TARGET_LOSS, on every rank at that same step and before
+    its update. Returns the weights and the number of updates made."""
     x, y = my_training_shard(me)
-    w, logged = new_weights(me.device), []
-    for step in range(STEPS):
-        loss = batch_loss(w, x, y)
-        average_gradients_and_step(w, loss, me)
-        # (stuck? `make hint CH=14` prints hint 1 of 2; run it again for the next)
-        # TODO: every LOG_EVERY steps, rank 0 appends the mean of the ranks' losses to `logged`; every rank must take part in whatever collective that needs
+    w, updates = new_weights(me.device), 0
+    for step in range(MAX_STEPS):
+        start = step * BATCH % len(x)
+        loss = batch_loss(w, x[start:start + BATCH], y[start:start + BATCH])
+        # (stuck? `make hint CH=14` prints hint 1 of 3; run it again for the next)
+        # TODO: end the loop here at the first step where the mean of the ranks' losses is below TARGET_LOSS
         raise NotImplementedError("the TODO above")
-    return w.detach(), logged
+        average_gradients_and_step(w, loss, me)
+        updates += 1
+    return w.detach(), updates
 
 
 def job2_fixed(me: Rank) -> float:
-    """Job 2, fixed: the mean squared error over all 1001 validation samples, exact, on every
-    rank, each rank still evaluating its own chunk."""
+    """Job 2, fixed: the mean squared error over all 1001 validation samples, exact to float64
+    precision (1e-10 relative), on every rank, each rank still evaluating its own chunk."""
     x, y, w = validation_data(me.device)
     x, y = x.chunk(me.world_size)[me.rank], y.chunk(me.world_size)[me.rank]
     errors = ((x @ w - y) ** 2).flatten()
-    # (stuck? `make hint CH=14` prints hint 1 of 2; run it again for the next)
-    # TODO: combine the ranks' squared errors into the mean over all 1001 samples (sum and count, in float64, added up over the ranks) and return it as a float
+    # (stuck? `make hint CH=14` prints hint 1 of 3; run it again for the next)
+    # TODO: return the mean squared error over all 1001 samples, as a float, the same on every rank
     raise NotImplementedError("the TODO above")
 
 
@@ -163,18 +164,18 @@ def job3_fixed(me: Rank) -> torch.Tensor:
     for start in range(0, len(x), BATCH):
         loss = batch_loss(w, x[start:start + BATCH], y[start:start + BATCH])
         # (stuck? `make hint CH=14` prints hint 1 of 2; run it again for the next)
-        # TODO: let every rank learn whether any rank's loss is not finite, and if so skip the step on every rank; else average the gradients and step as before
+        # TODO: take the step as before, except when some rank's loss is not finite: then no rank takes it
         raise NotImplementedError("the TODO above")
     return w.detach()
 
 
 def diagnose(world_size: int) -> dict:
-    """Your diagnosis of each broken job at this world size: the rank at fault, the line of its
-    jobN_broken where things go wrong (copied as it stands), and the cause in a sentence.
-
-    The rank at fault: job 1, the rank that calls a collective the others never call; job 2, the
-    rank whose tensor has a shape unlike the others'; job 3, the rank that raised first (the others
-    only waited for it). Write a rank that depends on the world size as an expression of it."""
+    """Your diagnosis of each broken job at this world size, as --broken showed it: the rank at
+    fault (the one that is not where the others are; the others only wait for it, or fail because
+    of it), the line of its jobN_broken where it parts ways from the others, copied as it stands
+    (where that is an `if`, its condition line and the line it guards are both accepted), and the
+    cause in a sentence. The rank may depend on the world size: write it as an expression of
+    world_size (a dict such as {2: ..., 3: ..., 4: ...}[world_size] will do)."""
     # (stuck? `make hint CH=14` prints hint 1 of 2; run it again for the next)
     # TODO: return {"job1": {"rank": ..., "line": "...", "cause": "..."}, "job2": {...}, "job3": {...}}
     raise NotImplementedError("the TODO above")
@@ -182,7 +183,7 @@ def diagnose(world_size: int) -> dict:
 
 if __name__ == "__main__":  # the check is in checks/lab14.py: you need not read it
     from checks import lab14
-    lab14.run(BROKEN=BROKEN, N_TRAIN=N_TRAIN, STEPS=STEPS, LOG_EVERY=LOG_EVERY, LR=LR, BATCH=BATCH,
+    lab14.run(N_TRAIN=N_TRAIN, BATCH=BATCH, LR=LR, TARGET_LOSS=TARGET_LOSS, MAX_STEPS=MAX_STEPS,
               training_data=training_data, validation_data=validation_data, new_weights=new_weights,
               batch_loss=batch_loss, job1_broken=job1_broken, job2_broken=job2_broken, job3_broken=job3_broken,
               job1_fixed=job1_fixed, job2_fixed=job2_fixed, job3_fixed=job3_fixed, diagnose=diagnose)

@@ -68,3 +68,14 @@ def test_plain_python_says_how_to_run_and_exits_2():
     assert result.returncode == 2
     assert "torchrun --standalone --nproc-per-node" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_lab14_broken_job_shows_every_rank_where_it_is():
+    """`--broken job2` runs the job as handed over: DETAIL names the collective that differs and each
+    rank's sizes, in one line per rank, and the run ends with what to look at (exit 0, no torchrun
+    failure report): the learner's tool, not a verdict."""
+    result = launch(ROOT / "solutions" / "14_debugging.py", 4, "--broken", "job2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ranks 0-2: TORCH_DISTRIBUTED_DEBUG=DETAIL: collective #0 differs across ranks" in result.stdout
+    assert "rank 3: TORCH_DISTRIBUTED_DEBUG=DETAIL: collective #0 differs across ranks; this rank calls allgather of [248]" in result.stdout
+    assert "Find the rank that is not where the others are" in result.stdout
