@@ -14,14 +14,19 @@ def cases():
                                marks=[pytest.mark.slow] if slow(stem) else [])
 
 
+def run_changed(stem: str, old: str, new: str, nproc: int, folder):
+    """The solution with `old` (which must occur once) replaced by `new`, run on `nproc` ranks."""
+    source = (ROOT / "solutions" / f"{stem}.py").read_text()
+    assert source.count(old) == 1, f"the text to change is not unique in {stem}.py: {old!r}"
+    changed = folder / "solutions" / f"{stem}.py"
+    changed.parent.mkdir()
+    changed.write_text(source.replace(old, new))
+    return launch(changed, nproc, *args(stem))
+
+
 @pytest.mark.parametrize("stem, mutation", list(cases()))
 def test_check_names_the_mistake(stem, mutation, tmp_path):
-    source = (ROOT / "solutions" / f"{stem}.py").read_text()
-    assert source.count(mutation.old) == 1, f"the text to mutate is not unique in {stem}.py: {mutation.old!r}"
-    broken = tmp_path / "solutions" / f"{stem}.py"
-    broken.parent.mkdir()
-    broken.write_text(source.replace(mutation.old, mutation.new))
-    result = launch(broken, mutation.nproc, *args(stem))
+    result = run_changed(stem, mutation.old, mutation.new, mutation.nproc, tmp_path)
     out = result.stdout + result.stderr
     assert result.returncode != 0, f"the check did not catch '{mutation.name}':\n{out[-3000:]}"
     assert "FAIL" in result.stdout, out[-3000:]
@@ -33,10 +38,5 @@ def test_check_names_the_mistake(stem, mutation, tmp_path):
 def test_check_passes_a_correct_variant(stem, variant, tmp_path):
     """A check that rejects right code written otherwise teaches the wrong lesson (REVIEW F: lab
     12 rejected `from torch.distributed import all_reduce`)."""
-    source = (ROOT / "solutions" / f"{stem}.py").read_text()
-    assert source.count(variant.old) == 1, f"the text to change is not unique in {stem}.py: {variant.old!r}"
-    other = tmp_path / "solutions" / f"{stem}.py"
-    other.parent.mkdir()
-    other.write_text(source.replace(variant.old, variant.new))
-    result = launch(other, variant.nproc, *args(stem))
+    result = run_changed(stem, variant.old, variant.new, variant.nproc, tmp_path)
     assert result.returncode == 0, f"the check rejected '{variant.name}':\n{(result.stdout + result.stderr)[-3000:]}"
