@@ -1,0 +1,415 @@
+"""The check of lab 15 (hierarchy): it runs the code of labs/15_hierarchy.py and says what is wrong.
+
+You need not read it to do the lab. The lab file hands over its functions: `lab.X` below is the
+lab's X (this module never imports the lab).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ringside import Checks, Rank, print0, run_lab
+
+lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
+
+# --- The layout, a pure function ------------------------------------------------------------------
+
+
+def expected_layout(world_size: int, per_host: int) -> tuple[list[list[int]], list[list[int]]]:
+    hosts = [list(range(h * per_host, (h + 1) * per_host)) for h in range(world_size // per_host)]
+    return hosts, [list(range(i, world_size, per_host)) for i in range(per_host)]
+
+
+def check_layout(checks: Checks) -> bool:
+    """host_layout alone, on 1-4 hosts x 1-3 ranks per host, and on sizes that are no whole hosts."""
+    for hosts_n in range(1, 5):
+        for per_host in range(1, 4):
+            world = hosts_n * per_host
+            call = f"host_layout({world}, {per_host})"
+            try:
+                got = lab.host_layout(world, per_host)
+                hosts, peers = [list(map(list, g)) for g in got]
+            except NotImplementedError:
+                raise
+            except Exception as error:
+                return checks.expect(False, f"{call} raised {type(error).__name__}: {error}")
+            want_hosts, want_peers = expected_layout(world, per_host)
+            if (hosts, peers) == (want_hosts, want_peers):
+                continue
+            seen = f"{call} gave hosts {hosts}, peers {peers}; expected hosts {want_hosts}, peers {want_peers}"
+            if (hosts, peers) == (want_peers, want_hosts):
+                return checks.expect(False, f"{seen}: hosts and peers are swapped - a host is a block of "
+                                            f"consecutive ranks, the peers take one rank from each host")
+            if hosts == want_hosts:
+                return checks.expect(False, f"{seen}: the hosts are right, the peers are not - peers[i] holds "
+                                            f"the ranks with local index i (rank % ranks_per_host == i), one per host")
+            if hosts == [list(range(h, world, hosts_n)) for h in range(hosts_n)]:
+                return checks.expect(False, f"{seen}: your hosts take one rank in every {hosts_n} - torchrun numbers "
+                                            f"the ranks host by host, so host h holds consecutive ranks "
+                                            f"h*L ... h*L + L-1")
+            return checks.expect(False, f"{seen}: a rank r sits on host r // ranks_per_host at local index "
+                                        f"r % ranks_per_host")
+    for world, per_host in ((5, 2), (4, 3)):
+        try:
+            got = lab.host_layout(world, per_host)
+        except ValueError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as error:
+            return checks.expect(False, f"host_layout({world}, {per_host}) raised {type(error).__name__}: "
+                                        f"{error} - raise ValueError when the ranks are no whole hosts")
+        return checks.expect(False, f"host_layout({world}, {per_host}) returned {got}: {world} ranks are no whole "
+                                    f"hosts of {per_host} - raise ValueError instead of a layout with a missing rank")
+    return checks.expect(True, "")
+
+
+# --- make_groups, rehearsed: dist.new_group noted, nothing made -----------------------------------
+
+
+class Token:
+    """What the rehearsed dist.new_group returns: the ranks it was asked for."""
+
+    def __init__(self, ranks):
+        self.ranks = tuple(sorted(ranks))
+
+    def __repr__(self):
+        return f"group{list(self.ranks)}"
+
+
+def rehearse_groups(world: int, per_host: int, rank: int) -> tuple[list[tuple], object]:
+    """make_groups played as `rank` of `world` ranks with new_group noted, not run: the groups it
+    asked for, in order, and what it returned."""
+    made: list[tuple] = []
+
+    def new_group(ranks=None, *args, **kwargs):
+        token = Token(range(world) if ranks is None else ranks)
+        made.append(token.ranks)
+        return token
+
+    names = {"new_group": new_group, "get_rank": lambda group=None: rank,
+             "get_world_size": lambda group=None: world}
+    saved = [(module, name, getattr(module, name)) for module in (dist, c10d) for name in names]
+    for module, name, _ in saved:
+        setattr(module, name, names[name])
+    try:
+        returned = lab.make_groups(world, per_host)
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+    return made, returned
+
+
+def check_groups(checks: Checks) -> bool:
+    for world, per_host in ((6, 3), (6, 2), (8, 2), (4, 1)):
+        hosts, peers = expected_layout(world, per_host)
+        wanted = sorted(tuple(g) for g in hosts + peers)
+        played = []
+        for rank in range(world):
+            try:
+                played.append(rehearse_groups(world, per_host, rank))
+            except NotImplementedError:
+                raise
+            except Exception as error:
+                hint = (" - did you index the groups with the wrong number? (host: rank // ranks_per_host, peers: "
+                        "rank % ranks_per_host)" if isinstance(error, IndexError) else "")
+                return checks.expect(False, f"make_groups({world}, {per_host}) played as rank {rank} raised "
+                                            f"{type(error).__name__}: {error}{hint}")
+        call = f"make_groups({world}, {per_host}) (rehearsed on every rank: new_group noted, nothing made)"
+        differ = next((r for r, (made, _) in enumerate(played) if made != played[0][0]), None)
+        if differ is not None:
+            return checks.expect(False, f"{call}: rank 0 created {played[0][0]}, rank {differ} created "
+                                        f"{played[differ][0]}: dist.new_group is collective - every rank must create "
+                                        f"every group, in the same order, even those it is not in (else the job hangs)")
+        made = played[0][0]
+        missing = [list(g) for g in wanted if g not in made]
+        if missing:
+            return checks.expect(False, f"{call} created {made}: no group for {missing} - one group per host "
+                                        f"and one per set of peers")
+        if len(made) != len(wanted):
+            return checks.expect(False, f"{call} created {len(made)} groups, not {len(wanted)}: one per host "
+                                        f"and one per set of peers, each once")
+        for rank, (_, returned) in enumerate(played):
+            my_host, my_peers = tuple(hosts[rank // per_host]), tuple(peers[rank % per_host])
+            try:
+                got = [g.ranks if isinstance(g, Token) else g for g in returned]
+            except TypeError:
+                got = returned
+            if got == [my_host, my_peers]:
+                continue
+            where = f"{call}, on rank {rank},"
+            if got == [my_peers, my_host]:
+                return checks.expect(False, f"{where} returned (its peers' group, its host's group): swapped - "
+                                            f"return (host group, peers group)")
+            return checks.expect(False, f"{where} returned {returned}; expected the groups of its host "
+                                        f"{list(my_host)} and of its peers {list(my_peers)} - did you keep the last "
+                                        f"group created, or index the groups with the wrong number?")
+    return checks.expect(True, "")
+
+
+# --- The all-reduce, for real, with every collective noted -----------------------------------------
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather",
+               "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce", "all_to_all",
+               "all_to_all_single", "gather", "scatter", "barrier", "send", "recv", "isend", "irecv")
+SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
+
+
+class Noted(Exception):
+    """A collective that the check refused to run (it would hang or mislead): the diagnosis."""
+
+
+class CollectiveLog:
+    """While active, every collective the learner calls is noted (name, which group, elements, op);
+    one on a group other than the two given is refused with a diagnosis (it could hang)."""
+
+    def __init__(self, host_group, peer_group):
+        self.groups = {id(host_group): "host", id(peer_group): "peers"}
+        self.calls: list[dict] = []
+        self.depth = 0
+
+    def _wrap(self, name, original):
+        signature = inspect.signature(original)
+
+        def call(*args, **kwargs):
+            if self.depth:  # a collective calling another one inside torch: note the outer one only
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            group = bound.arguments.get("group")
+            kind = self.groups.get(id(group), "default" if group is None or group is c10d.GroupMember.WORLD else "other")
+            if kind == "default":
+                raise Noted(f"dist.{name} ran on the default group (all ranks): the two levels must use "
+                            f"host_group (inside a host) and peer_group (across hosts) only - pass group=...")
+            if kind == "other":
+                raise Noted(f"dist.{name} ran on a group other than host_group and peer_group: use the two "
+                            f"groups you are given")
+            first = next(iter(bound.arguments.values()))
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            op = bound.arguments.get("op")
+            self.calls.append({"name": name, "group": kind, "numel": sum(t.numel() for t in tensors),
+                               "op": op, "async": bool(bound.arguments.get("async_op"))})
+            self.depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.depth -= 1
+        return call
+
+    def __enter__(self):
+        self.saved = [(module, name, getattr(module, name)) for module in (dist, c10d) for name in COLLECTIVES
+                      if hasattr(module, name)]
+        stand_ins = {name: self._wrap(name, original) for module, name, original in self.saved if module is dist}
+        for module, name, _ in self.saved:
+            setattr(module, name, stand_ins[name])
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in self.saved:
+            setattr(module, name, original)
+
+
+def example(rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Rank r's input: (r + 1) * 1000 + (i % 97): every partial sum tells whose values it holds."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return ((rank + 1) * 1000 + torch.arange(numel) % 97).to(dtype).reshape(shape)
+
+
+def layouts(world: int) -> list[tuple[int, int]]:
+    """(hosts, ranks per host) for 1-4 hosts x 1-3 ranks that fit, the most telling first."""
+    fits = [(h, l) for h in range(1, 5) for l in range(1, 4) if h * l <= world]
+    return sorted(fits, key=lambda hl: (-(hl[0] > 1 and hl[1] > 1), -hl[1], -hl[0]))
+
+
+def cases(per_host: int) -> list[tuple[tuple, torch.dtype]]:
+    return [((per_host * 4,), torch.float32), ((per_host * 4 + 1,), torch.float64), ((3, 5), torch.int64),
+            ((1,), torch.float32)]
+
+
+def diagnose_values(result, returned, mine, rank, hosts_n, per_host, shape, dtype, log) -> str:
+    """Why this rank's result is wrong: the plausible wrong answers, recomputed and named."""
+    world = hosts_n * per_host
+    host = rank // per_host
+    full = sum(example(r, shape, dtype).double() for r in range(world))
+    got = result.double()
+    where = (f"{hosts_n} hosts x {per_host} ranks, {tuple(shape)} {str(dtype).replace('torch.', '')}: rank {rank}'s "
+             f"result")
+    if returned is not None and isinstance(returned, torch.Tensor) and returned.shape == result.shape and \
+            torch.equal(returned.double(), full) and not torch.equal(got, full):
+        return (f"{where}: the returned tensor holds the sum but `tensor` itself does not - the caller keeps "
+                f"`tensor`: copy the sum into it (in place), without the padding")
+    names = [c["name"] for c in log.calls]
+    if any(c["async"] for c in log.calls):
+        return (f"{where} is wrong and a collective ran with async_op=True: wait on it before the next level "
+                f"uses its result (or call it without async_op)")
+    if swapped(log):
+        return (f"{where} is wrong and your collectives ran as {names} with the groups swapped: the reduce-scatter "
+                f"and the all-gather belong inside the host (host_group), the all-reduce across hosts (peer_group)")
+    if any(c["name"] in SCATTERS + GATHERS and c["group"] == "peers" for c in log.calls) and \
+            any(c["name"] == "all_reduce" and c["group"] == "host" for c in log.calls):
+        return (f"{where} is wrong and your collectives ran as {names} with the groups swapped: the reduce-scatter "
+                f"and the all-gather belong inside the host (host_group), the all-reduce across hosts (peer_group)")
+    host_sum = sum(example(r, shape, dtype).double() for r in range(host * per_host, (host + 1) * per_host))
+    across = any(c["name"] == "all_reduce" and c["group"] == "peers" for c in log.calls)
+    if hosts_n > 1 and torch.equal(got, host_sum):
+        return (f"{where} is the sum over its own host only: the all-reduce across hosts (over peer_group) is "
+                + ("missing" if not across else "there, but its result did not reach `tensor`"))
+    if torch.equal(got, mine.double()):
+        if not any(c["name"] in GATHERS for c in log.calls):
+            return (f"{where} is unchanged: the all-gather inside the host is missing - without it the summed "
+                    f"shards never come back together")
+        return (f"{where} is unchanged although your collectives ran ({names}): the sum never reached `tensor` - "
+                f"copy it back into `tensor` itself (in place), without the padding")
+    if hosts_n > 1 and torch.allclose(got, full / hosts_n):
+        return f"{where} is the sum divided by the number of hosts: a sum must not average (ReduceOp.SUM, not AVG)"
+    if world > 1 and torch.allclose(got, full / world):
+        return f"{where} is the mean, not the sum: hierarchical_all_reduce sums; averaging is the caller's job"
+    flat_got, flat_full = got.reshape(-1), full.reshape(-1)
+    shard = -(-flat_got.numel() // per_host)
+    right = [i for i in range(per_host) if torch.equal(flat_got[i * shard:(i + 1) * shard], flat_full[i * shard:(i + 1) * shard])]
+    local = rank % per_host
+    if per_host > 1 and right == [local]:
+        return (f"{where} is right only in its own shard ({local} of {per_host}): the all-gather inside the host "
+                f"(or the copy of its result into `tensor`) is missing")
+    if per_host > 1 and torch.equal(flat_got, flat_full * per_host) is False and \
+            torch.allclose(flat_got, flat_full * per_host):
+        return f"{where} is {per_host}x the sum: the host's sum was counted once per rank of the host"
+    wrong = int((flat_got != flat_full).sum())
+    return (f"{where} differs from dist.all_reduce in {wrong} of {flat_got.numel()} elements (shards right: "
+            f"{right or 'none'}); collectives called: {names}")
+
+
+def swapped(log) -> bool:
+    """The reduce-scatter or all-gather ran across hosts, the all-reduce inside the host."""
+    return any(c["name"] in SCATTERS + GATHERS and c["group"] == "peers" for c in log.calls) and \
+        any(c["name"] == "all_reduce" and c["group"] == "host" for c in log.calls)
+
+
+def diagnose_traffic(log, hosts_n, per_host, numel, where) -> str:
+    """Right sum; now the bytes: only a shard may cross hosts, and the host sends no more than a
+    reduce-scatter and an all-gather."""
+    if swapped(log) or (per_host > 1 and any(c["name"] in SCATTERS + GATHERS and c["group"] == "peers"
+                                             for c in log.calls)):
+        return (f"{where}: the sum is right, but the groups are swapped ({[(c['name'], c['group']) for c in log.calls]}): "
+                f"the reduce-scatter and the all-gather belong inside the host (host_group), the all-reduce across "
+                f"hosts (peer_group) - with as many hosts as ranks per host the sum comes out right anyway")
+    across = sum(c["numel"] for c in log.calls if c["group"] == "peers")
+    share = -(-numel // per_host)
+    if hosts_n > 1 and per_host > 1 and across > share + per_host:
+        return (f"{where}: the sum is right, but each rank sent {across} elements across hosts where its shard "
+                f"is {share} ({per_host}x the slow link's traffic): reduce-scatter inside the host first and "
+                f"all-reduce only your shard over peer_group")
+    if per_host > 1 and any(c["name"] == "all_reduce" and c["group"] == "host" for c in log.calls):
+        return (f"{where}: the sum is right, but an all-reduce ran inside the host, which sends twice what a "
+                f"reduce-scatter sends: reduce-scatter (each rank keeps one summed shard), then all-gather at the end")
+    if any(c["async"] for c in log.calls):
+        return f"{where}: a collective ran with async_op=True - wait on it before the next level uses its result"
+    return ""
+
+
+def check_all_reduce(checks: Checks, group) -> bool:
+    """Against dist.all_reduce (computed here from every rank's known input) on every layout that fits."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tried = 0
+    for hosts_n, per_host in layouts(world):
+        hosts, peers = expected_layout(hosts_n * per_host, per_host)
+        made = {tuple(r): dist.new_group(r) for r in hosts + peers}  # every rank creates every group
+        inside = rank < hosts_n * per_host
+        for shape, dtype in cases(per_host):
+            why = ""
+            if inside:
+                host_group, peer_group = made[tuple(hosts[rank // per_host])], made[tuple(peers[rank % per_host])]
+                mine = example(rank, shape, dtype)
+                tensor = mine.clone()
+                where = f"hierarchical_all_reduce on {hosts_n} hosts x {per_host} ranks, {tuple(shape)} " \
+                        f"{str(dtype).replace('torch.', '')}"
+                returned = None
+                with CollectiveLog(host_group, peer_group) as log:
+                    try:
+                        returned = lab.hierarchical_all_reduce(tensor, host_group, peer_group)
+                    except NotImplementedError:
+                        raise
+                    except Noted as noted:
+                        why = f"{where}: {noted}"
+                    except Exception as error:
+                        if swapped(log) or any(c["name"] in SCATTERS and c["group"] == "peers" for c in log.calls):
+                            why = (f"{where} raised {type(error).__name__} after a reduce-scatter over peer_group: "
+                                   f"the groups are swapped - the reduce-scatter and the all-gather belong inside "
+                                   f"the host (host_group), the all-reduce across hosts (peer_group)")
+                            log.calls.clear()
+                        if any(c["op"] == dist.ReduceOp.AVG for c in log.calls):
+                            why = (f"{where} raised {type(error).__name__} with ReduceOp.AVG: an average is the sum "
+                                   f"divided by the number of hosts (and gloo cannot average integers) - a sum must "
+                                   f"not average (ReduceOp.SUM)")
+                        numel = tensor.numel()
+                        text = str(error).lower()
+                        uneven = per_host > 1 and numel % per_host and any(
+                            word in text for word in ("size", "shape", "numel", "match", "divisible", "expand"))
+                        first = re.sub(r"^(\[rank\d+\]:)?\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
+                        why = why or f"{where} raised {type(error).__name__}: {first[:160]}" + (
+                            f" - {numel} elements do not divide by {per_host} ranks per host: pad to a multiple "
+                            f"(zeros), and drop the padding at the end" if uneven else "")
+                if not why:
+                    full = sum(example(r, shape, dtype) for r in range(hosts_n * per_host))
+                    if tensor.dtype != dtype or tensor.shape != mine.shape:
+                        why = f"{where}: `tensor` changed its dtype or shape"
+                    elif not torch.equal(tensor, full):
+                        why = diagnose_values(tensor, returned, mine, rank, hosts_n, per_host, shape, dtype, log)
+                    elif returned is not tensor:
+                        why = f"{where}: the sum is in `tensor`, but the function returned something else - return `tensor`"
+                    else:
+                        why = diagnose_traffic(log, hosts_n, per_host, tensor.numel(), where)
+            verdicts = [None] * world
+            dist.all_gather_object(verdicts, why, group=group)  # one diagnosis for all ranks
+            failed = [(r, v) for r, v in enumerate(verdicts) if v]
+            if failed:
+                checks.fail(failed[0][1])  # the same words on every rank: one line in the report
+                return False
+            tried += 1
+    checks.expect(True, "")
+    print0(f"hierarchical_all_reduce equals dist.all_reduce on {tried} cases ({len(layouts(world))} layouts of "
+           f"hosts x ranks per host, uneven sizes included) and sends only its shard across hosts")
+    return True
+
+
+def check_training(checks: Checks, per_host: int) -> None:
+    world = dist.get_world_size()
+    groups = lab.make_groups(world, per_host)
+    theirs = lab.train(None)
+    ours = lab.train(groups)
+    # Tolerance: the hook divides, then sums in another order than DDP: float32 rounding, about 1e-7
+    # per step over a handful of steps; a mistake moves weights by far more than 1e-5.
+    gap = (ours - theirs).abs().max().item()
+    if checks.expect(gap <= 1e-5, f"DDP with your all-reduce as its communication hook ends {gap:.2e} away from "
+                                  f"plain DDP's weights (tolerance 1e-5) on {world // per_host} hosts x {per_host} "
+                                  f"ranks: make_groups must return this rank's own host and peers groups"):
+        hosts_n = world // per_host
+        print0(f"DDP with hierarchical_all_reduce as its hook trains like DDP ({hosts_n} host(s) x {per_host} "
+               f"rank(s)); sent out of each host per all-reduce of S bytes: {2 * (hosts_n - 1) / hosts_n:.2f} x S "
+               f"(a flat ring: {2 * (world - 1) / world if hosts_n > 1 else 0:.2f} x S)")
+
+
+def main(me: Rank, checks: Checks) -> None:
+    if me.world_size < 4:
+        print0("note: with fewer than 4 ranks no layout has both several hosts and several ranks per host, "
+               "so the traffic across hosts is not checked: run on 4 ranks too")
+    per_host = lab.ranks_per_host(me.world_size)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))  # the check's own messages
+    if check_layout(checks) and check_groups(checks) and check_all_reduce(checks, group):
+        check_training(checks, per_host)
+
+
+def run(**learner) -> None:
+    """Check the lab's code: the lab file calls this with its functions and classes."""
+    vars(lab).update(learner)
+    # A short collective timeout: a collective that another rank never joins fails after 15 s.
+    run_lab(main, title="Lab 15 (hierarchy)", timeout=timedelta(seconds=15))

@@ -1,0 +1,76 @@
+"""Chapter 15: the mistakes its check must name."""
+
+from mutation import Mutation, Variant
+
+HOSTS = "    hosts = [list(range(h * ranks_per_host, (h + 1) * ranks_per_host)) for h in range(world_size // ranks_per_host)]\n"
+PEERS = "    peers = [list(range(i, world_size, ranks_per_host)) for i in range(ranks_per_host)]\n"
+GROUPS = ("    host_groups = [dist.new_group(ranks) for ranks in hosts]\n"
+          "    peer_groups = [dist.new_group(ranks) for ranks in peers]\n")
+RETURN_GROUPS = "    return host_groups[rank // ranks_per_host], peer_groups[rank % ranks_per_host]\n"
+SCATTER = "    dist.reduce_scatter_single(mine, padded, group=host_group)  # fast link: the host's sum, one shard each\n"
+ACROSS = "    dist.all_reduce(mine, group=peer_group)  # slow link: 1/local of the tensor per rank\n"
+GATHER = "    dist.all_gather_single(padded, mine, group=host_group)  # fast link: every shard on every rank\n"
+
+MUTATIONS = [
+    Mutation("hosts strided like peers", HOSTS,
+             "    hosts = [list(range(h, world_size, world_size // ranks_per_host)) for h in range(world_size // ranks_per_host)]\n",
+             "your hosts take one rank in every", 2),
+    Mutation("hosts and peers swapped", "    return hosts, peers\n", "    return peers, hosts\n",
+             "hosts and peers are swapped", 2),
+    Mutation("peers strided by the number of hosts", PEERS,
+             "    peers = [list(range(i, world_size, world_size // ranks_per_host)) for i in range(ranks_per_host)]\n",
+             "the hosts are right, the peers are not", 2),
+    Mutation("no whole hosts accepted", "    if ranks_per_host < 1 or world_size % ranks_per_host != 0:\n",
+             "    if ranks_per_host < 1:\n", "raise ValueError instead", 2),
+    Mutation("each rank creates only its own groups", GROUPS + RETURN_GROUPS,
+             "    return dist.new_group(hosts[rank // ranks_per_host]), dist.new_group(peers[rank % ranks_per_host])\n",
+             "dist.new_group is collective", 2),
+    Mutation("groups returned swapped", RETURN_GROUPS,
+             "    return peer_groups[rank % ranks_per_host], host_groups[rank // ranks_per_host]\n",
+             "swapped - return (host group, peers group)", 2),
+    Mutation("host group indexed by local index", RETURN_GROUPS,
+             "    return host_groups[rank % ranks_per_host], peer_groups[rank % ranks_per_host]\n",
+             "index the groups with the wrong number", 2),
+    Mutation("peers group indexed by host number", RETURN_GROUPS,
+             "    return host_groups[rank // ranks_per_host], peer_groups[rank // ranks_per_host]\n",
+             "index the groups with the wrong number", 2),
+    Mutation("no padding", "    shard = -(-flat.numel() // local)  # ceil: zeros pad the last shard\n"
+             "    padded = torch.zeros(shard * local, dtype=flat.dtype, device=flat.device)\n"
+             "    padded[:flat.numel()] = flat\n",
+             "    shard = flat.numel() // local\n    padded = flat.clone()\n",
+             "do not divide by 2 ranks per host: pad to a multiple", 2),
+    Mutation("shard size rounded down", "    shard = -(-flat.numel() // local)  # ceil: zeros pad the last shard\n",
+             "    shard = flat.numel() // local\n", "do not divide by 2 ranks per host: pad to a multiple", 2),
+    Mutation("whole tensor all-reduced across hosts", SCATTER + ACROSS + GATHER,
+             "    dist.all_reduce(padded, group=host_group)\n    dist.all_reduce(padded, group=peer_group)\n",
+             "where its shard is", 4),
+    Mutation("all-reduce inside the host instead of reduce-scatter", SCATTER,
+             "    dist.all_reduce(padded, group=host_group)\n"
+             "    mine.copy_(padded.view(local, shard)[dist.get_rank(host_group)])\n",
+             "an all-reduce ran inside the host", 2),
+    Mutation("the step across hosts missing", ACROSS, "",
+             "the sum over its own host only", 2),
+    Mutation("the all-gather missing", GATHER, "", "the all-gather inside the host is missing", 2),
+    Mutation("the sum not copied back", "    flat.copy_(padded[:flat.numel()])\n", "    tensor = padded[:flat.numel()]\n",
+             "copy the sum into it (in place)", 2),
+    Mutation("average across hosts", ACROSS, "    dist.all_reduce(mine, op=dist.ReduceOp.AVG, group=peer_group)\n",
+             "divided by the number of hosts", 2),
+    Mutation("groups swapped in the collectives", SCATTER + ACROSS + GATHER,
+             SCATTER.replace("host_group", "peer_group") + ACROSS.replace("peer_group", "host_group")
+             + GATHER.replace("host_group", "peer_group"),
+             "the groups are swapped", 4),
+    Mutation("all-reduce across hosts on the default group", ACROSS, "    dist.all_reduce(mine)\n",
+             "ran on the default group", 2),
+    Mutation("async all-reduce never waited", ACROSS, "    dist.all_reduce(mine, group=peer_group, async_op=True)\n",
+             "async_op=True", 2),
+]
+
+CORRECT = [
+    Variant("groups by new_subgroups_by_enumeration", GROUPS + RETURN_GROUPS,
+            "    mine_host, _ = dist.new_subgroups_by_enumeration(hosts)\n"
+            "    mine_peers, _ = dist.new_subgroups_by_enumeration(peers)\n"
+            "    return mine_host, mine_peers\n", 4),
+    Variant("the older tensor collectives", SCATTER + ACROSS + GATHER,
+            "    dist.reduce_scatter_tensor(mine, padded, group=host_group)\n" + ACROSS
+            + "    dist.all_gather_into_tensor(padded, mine, group=host_group)\n", 4),
+]
