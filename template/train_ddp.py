@@ -316,7 +316,8 @@ def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, devic
     was_training = net.training
     net.eval()
     mine = Subset(val_set, range(rank, len(val_set), world_size))
-    loader = DataLoader(mine, batch_size=args.batch_size, num_workers=0, pin_memory=device.type == "cuda")
+    loader = DataLoader(mine, batch_size=args.batch_size, num_workers=0, pin_memory=device.type == "cuda",
+                        generator=torch.Generator())  # its own: iterating must not move the global generator
     totals: dict[str, torch.Tensor] = {}
     for batch in loader:
         inputs, targets = to_device(split_batch(batch), device)
@@ -356,6 +357,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=50, help="optimizer steps between checkpoints")
+    p.add_argument("--eval-every", type=int, default=0, help="optimizer steps between validations (0: at each epoch's end)")
     p.add_argument("--keep", type=int, default=2, help="how many checkpoints to keep (a corrupt newest falls back)")
     p.add_argument("--log-every", type=int, default=20, help="optimizer steps between log lines")
     p.add_argument("--timeout-s", type=float, default=600,
@@ -549,6 +551,24 @@ def main() -> None:
     # SIGTERM may reach one rank only, and all must stop at the same step: every step all-reduces the
     # ranks' stop flags, without waiting, and reads the sum one step later (no pause for the GPU).
     stop_votes, stop_work = None, None
+
+    def validate_and_keep_best(stop_work):
+        """Evaluate, log, and keep best.pt; returns None for the stop vote it waited for."""
+        nonlocal best
+        if stop_work is not None:
+            stop_work.wait()  # (a vote still in flight would meet evaluate's all-reduce; the next step votes again)
+        val = evaluate(model.module, val_set, rank, world_size, device, args, amp_dtype)
+        log.info("step %d (epoch %.2f): validation %s", step, step / steps_per_epoch,
+                 ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
+        if is_main:
+            write_metrics(metrics, {"step": step, "validation": val})
+        value = val[BEST_METRIC]
+        if best is None or (value > best if HIGHER_IS_BETTER else value < best):
+            best = value
+            if is_main:
+                save_atomic({"model": model.module.state_dict(), "step": step, BEST_METRIC: best}, best_path)
+        return None
+
     metrics = out / "metrics.jsonl"  # rank 0 appends a line per log step and per validation
     window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
     while step < total_steps and not stopped:
@@ -603,26 +623,18 @@ def main() -> None:
                 if is_main:
                     write_metrics(metrics, record)
                 window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
-            if step % args.checkpoint_every == 0 and step % steps_per_epoch != 0:  # (epoch ends save below)
+            mid_epoch = step % steps_per_epoch != 0 and step != total_steps  # (the epoch's end does both below)
+            if args.eval_every and step % args.eval_every == 0 and mid_epoch:
+                stop_work = validate_and_keep_best(stop_work)
+            if step % args.checkpoint_every == 0 and mid_epoch:
                 save_checkpoint()
         if stopped:
             break
         if step % steps_per_epoch == 0 or step == total_steps:  # validate, keep the best, checkpoint
-            if stop_work is not None:
-                stop_work.wait()  # (a vote still in flight would meet evaluate's all-reduce)
-                stop_work = None
-            val = evaluate(model.module, val_set, rank, world_size, device, args, amp_dtype)
-            log.info("step %d (epoch %.2f): validation %s", step, step / steps_per_epoch,
-                     ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
-            if is_main:
-                write_metrics(metrics, {"step": step, "validation": val})
-            value = val[BEST_METRIC]
-            if best is None or (value > best if HIGHER_IS_BETTER else value < best):
-                best = value
-                if is_main:
-                    save_atomic({"model": model.module.state_dict(), "step": step, BEST_METRIC: best}, best_path)
+            stop_work = validate_and_keep_best(stop_work)
             save_checkpoint()
     bar.close()
+
 
     if not stopped:
         val = evaluate(model.module, val_set, rank, world_size, device, args, amp_dtype)
