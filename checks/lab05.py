@@ -160,6 +160,8 @@ def main(checks: Checks) -> None:
     if not check_good_settings(checks):  # first: a mistake here explains many bad-settings failures
         return
     check_bad_settings(checks)
+    if checks.failures:  # (the same on every rank: the cases are) fix these first; forming groups waits seconds
+        return
     check_fails_fast(checks)
 
     # 1. env://: torchrun's MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE
