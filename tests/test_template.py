@@ -81,17 +81,14 @@ def test_one_and_four_processes_train_alike(tmp_path, four_processes):
     no_temporary_files(tmp_path / "one")
 
 
-def test_sigterm_saves_and_a_killed_rank_resumes_bit_for_bit(tmp_path):
-    args = ["--batch-size", "16", "--max-steps", "30"]  # 30 of the 88 steps: enough to stop, kill and resume
-    plain, _ = train(tmp_path / "plain", 2, *args, "--workers", "0")
-
-    # SIGTERM to torchrun (as Slurm does before a time limit): it passes it on to every process,
-    # which must save a checkpoint within a step or two and exit cleanly, before torchrun's 30 s
-    # grace runs out. Steps of 3 s (a slow model), no log line and no checkpoint due for 1000 steps:
-    # the stop must be seen at every step, not only where the script logs.
-    out = tmp_path / "stopped"
-    command = torchrun_command(SCRIPT, 2, "--out", str(out), *TINY, *args, "--workers", "1",
-                               "--checkpoint-every", "1000", "--step-delay", "3", all_ranks=True)
+def stop_with_sigterm(script: Path, out: Path, *args: str) -> int:
+    """SIGTERM to torchrun (as Slurm does before a time limit) as training starts; it passes it on to
+    every process, which must save a checkpoint within a step or two and exit cleanly, before
+    torchrun's 30 s grace runs out. Steps of 3 s (a slow model), no log line and no checkpoint due for
+    1000 steps: the stop must be seen at every step, not only where the script logs. Returns the step
+    it saved at."""
+    command = torchrun_command(script, 2, "--out", str(out), *TINY, *args, "--checkpoint-every", "1000",
+                               "--step-delay", "3", all_ranks=True)
     proc = subprocess.Popen(command, cwd=ROOT, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines = []
@@ -112,8 +109,16 @@ def test_sigterm_saves_and_a_killed_rank_resumes_bit_for_bit(tmp_path):
     stopped_at = torch.load(max(out.glob("checkpoint-*.pt")), weights_only=True)["step"]
     assert 1 <= stopped_at <= 3, log[-3000:]  # the step under way, and the one after it
     assert not (out / "result.json").exists()
-    assert plain["step"] == 30, plain
     no_temporary_files(out)
+    return stopped_at
+
+
+def test_sigterm_saves_and_a_killed_rank_resumes_bit_for_bit(tmp_path):
+    args = ["--batch-size", "16", "--max-steps", "30"]  # 30 of the 88 steps: enough to stop, kill and resume
+    plain, _ = train(tmp_path / "plain", 2, *args, "--workers", "0")
+    assert plain["step"] == 30, plain
+    out = tmp_path / "stopped"
+    stopped_at = stop_with_sigterm(SCRIPT, out, *args, "--workers", "1")
 
     # The same command resumes; rank 1 then dies (SIGKILL) 10 steps later, torchrun restarts both
     # processes, and they resume from the last checkpoint.
@@ -355,8 +360,9 @@ def adapted_template(tmp_path: Path, replacements: dict[str, str]) -> Path:
 @pytest.mark.parametrize("example", ["char_lm", "dense"])
 def test_other_models_adapted_where_the_readme_says_resume_bit_for_bit(tmp_path, example):
     """A character language model (token-level loss, dropout, 'lower is better') and a per-pixel
-    model, each made by replacing only the functions the README names: a rank killed mid-run is
-    restarted and the run ends with the uninterrupted run's weights, bit for bit."""
+    model, each made by replacing only the functions the README names: stopped by SIGTERM with 3 s
+    steps, resumed, then a rank killed mid-run and restarted, each ends with the uninterrupted run's
+    weights, bit for bit."""
     script = adapted_template(tmp_path, CHAR_LM if example == "char_lm" else DENSE)
     common = ["--epochs", "3", "--max-steps", "24", "--checkpoint-every", "6", "--log-every", "1000",
               "--batch-size", "8", "--workers", "0", "--lr", "0.05"]
@@ -370,9 +376,12 @@ def test_other_models_adapted_where_the_readme_says_resume_bit_for_bit(tmp_path,
 
     every = ["--eval-every", "8"] if example == "char_lm" else []  # step-based validation, mid-epoch
     plain, _ = run(tmp_path / "plain", *every)
-    killed, log = run(tmp_path / "killed", *every, "--fail-at-step", "15", "--fail-rank", "1", restarts=1)
-    assert "resumed from" in log and "at step 12 " in log, log[-3000:]
-    assert killed["weights_sha256"] == plain["weights_sha256"], "not bit for bit after a restart"
+    # Stopped by SIGTERM with 3 s steps, resumed by the same command, then rank 1 killed before
+    # step 15 and restarted from the checkpoint of step 12.
+    stop_with_sigterm(script, tmp_path / "interrupted", *common, *every)
+    resumed, log = run(tmp_path / "interrupted", *every, "--fail-at-step", "15", "--fail-rank", "1", restarts=1)
+    assert log.count("resumed from") == 2 and "at step 12 " in log, log[-3000:]
+    assert resumed["weights_sha256"] == plain["weights_sha256"], "not bit for bit after SIGTERM and a restart"
     if example == "char_lm":
         assert set(plain) >= {"loss", "count"} and plain["count"] == 64 * 16, plain  # every target token once
         assert (tmp_path / "plain" / "best.pt").exists()
@@ -380,3 +389,12 @@ def test_other_models_adapted_where_the_readme_says_resume_bit_for_bit(tmp_path,
         assert [r["step"] for r in records if "validation" in r] == [8, 16, 24], records
     else:
         assert plain["count"] == 100 * 12 * 12 and 0.5 < plain["accuracy"] <= 1.0, plain  # every pixel once
+
+
+def test_batches_may_be_dicts_tuples_or_lists_of_tensors():
+    t = template_module()
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "extra": (torch.zeros(2), [torch.ones(1)]), "n": 3}
+    moved = t.to_device(batch, torch.device("cpu"))
+    assert moved["input_ids"].shape == (2, 3) and isinstance(moved["extra"], tuple) and moved["n"] == 3
+    assert isinstance(moved["extra"][1], list) and torch.equal(moved["extra"][1][0], torch.ones(1))
+    assert t.split_batch((torch.zeros(1), torch.ones(1)))[1].item() == 1.0
