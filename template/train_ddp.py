@@ -272,10 +272,26 @@ def to_device(x, device: torch.device):
     return x
 
 
-def write_metrics(path: Path, record: dict) -> None:
-    """One JSON line per record (read back with pandas.read_json(path, lines=True))."""
+def write_metrics(path: Path, record: dict, board=None) -> None:
+    """One JSON line per record (read back with pandas.read_json(path, lines=True)); to TensorBoard
+    too when `board` is a SummaryWriter."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+    if board is not None:
+        group = "validation" if "validation" in record else "train"
+        for name, value in record.get("validation", record).items():
+            if name not in ("step", "epoch", "count"):
+                board.add_scalar(f"{group}/{name}", value, record["step"])
+        board.flush()
+
+
+def tensorboard_writer(out: Path):
+    """A SummaryWriter on OUT/tensorboard where the tensorboard package is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch.utils.tensorboard needs `pip install tensorboard`
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
 
 
 def settle_bucket_order(model: DDP, batch) -> None:
@@ -561,7 +577,7 @@ def main() -> None:
         log.info("step %d (epoch %.2f): validation %s", step, step / steps_per_epoch,
                  ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
         if is_main:
-            write_metrics(metrics, {"step": step, "validation": val})
+            write_metrics(metrics, {"step": step, "validation": val}, board)
         value = val[BEST_METRIC]
         if best is None or (value > best if HIGHER_IS_BETTER else value < best):
             best = value
@@ -570,6 +586,7 @@ def main() -> None:
         return None
 
     metrics = out / "metrics.jsonl"  # rank 0 appends a line per log step and per validation
+    board = tensorboard_writer(out) if is_main else None  # and writes TensorBoard's files, if installed
     window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
     while step < total_steps and not stopped:
         epoch, done_in_epoch = divmod(step, steps_per_epoch)
@@ -621,7 +638,7 @@ def main() -> None:
                 log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s", step, total_steps,
                          record["loss"], record["grad_norm"], record["lr"], record["samples_per_s"])
                 if is_main:
-                    write_metrics(metrics, record)
+                    write_metrics(metrics, record, board)
                 window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
             mid_epoch = step % steps_per_epoch != 0 and step != total_steps  # (the epoch's end does both below)
             if args.eval_every and step % args.eval_every == 0 and mid_epoch:
@@ -634,6 +651,8 @@ def main() -> None:
             stop_work = validate_and_keep_best(stop_work)
             save_checkpoint()
     bar.close()
+    if board is not None:
+        board.close()
 
 
     if not stopped:

@@ -398,3 +398,21 @@ def test_batches_may_be_dicts_tuples_or_lists_of_tensors():
     assert moved["input_ids"].shape == (2, 3) and isinstance(moved["extra"], tuple) and moved["n"] == 3
     assert isinstance(moved["extra"][1], list) and torch.equal(moved["extra"][1][0], torch.ones(1))
     assert t.split_batch((torch.zeros(1), torch.ones(1)))[1].item() == 1.0
+
+
+def test_metrics_go_to_tensorboard_where_it_is_installed(tmp_path):
+    """Optional: the template writes TensorBoard's files only when the package is installed (it is
+    not in requirements.txt); JSONL always."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (optional for the template)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = template_module()
+    board = t.tensorboard_writer(tmp_path)
+    t.write_metrics(tmp_path / "metrics.jsonl", {"step": 5, "epoch": 0.1, "loss": 2.5, "lr": 0.1}, board)
+    t.write_metrics(tmp_path / "metrics.jsonl", {"step": 5, "validation": {"loss": 2.0, "count": 9}}, board)
+    board.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["train/loss", "train/lr", "validation/loss"]
+    assert [(e.step, e.value) for e in events.Scalars("validation/loss")] == [(5, 2.0)]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
