@@ -226,7 +226,10 @@ def test_resume_adapts_to_more_epochs_and_refuses_other_settings(tmp_path):
     assert [r["step"] for r in steps[:4]] == [10, 20, 30, 40], records[:5]
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0 and r["samples_per_s"] > 0 for r in steps), steps
     assert any(r.get("validation", {}).get("count") == 360 for r in records), records[-3:]
-    done = torchrun_script(SCRIPT, 2, "--out", str(out), *TINY, "--epochs", "3", "--batch-size", "8", "--lr", "0.5",
+    # Another number of processes at the same global batch (1 x 32 = 2 x 16) goes on, with a warning.
+    third, log = train(out, 1, "--epochs", "3", "--batch-size", "32", "--workers", "0")
+    assert "resumed with 1 processes instead of 2 (same global batch)" in log and third["step"] == 3 * 44, log[-3000:]
+    done = torchrun_script(SCRIPT, 2, "--out", str(out), *TINY, "--epochs", "4", "--batch-size", "8", "--lr", "0.5",
                            "--workers", "0", all_ranks=True, check=False, show=False, timeout=LAUNCH_TIMEOUT)
     log = done.stdout + done.stderr
     assert done.returncode != 0 and "written with other settings: --lr was 0.1, now 0.5; the global batch " \
