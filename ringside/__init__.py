@@ -3,7 +3,8 @@
 Each module says in its docstring which chapter explains what it does.
 
 - runtime:    join a process group (backend and device chosen for you), print from rank 0 or in
-              rank order, and exit cleanly (`finish`).                          chapters 00, 05
+              rank order, and exit cleanly (`finish`); `attempt_store`, a store of each restart
+              attempt's own (the capstone's `join_group`).                      chapters 00, 05, 11
 - launch:     the one way the course starts processes: `run_ranks` (ranks from a notebook cell),
               `fork_processes`, `torchrun_script`, `torchrun_nodes`, `fork_script`, and
               `torchrun_command` under all the torchrun ones.                  chapter 00

@@ -105,6 +105,38 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> Rank:
     return Rank(rank, world_size, local_rank, dist.get_backend(), device)
 
 
+def attempt_store(rank: int, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.Store:
+    """A key-value store that only this attempt's ranks use, for init_process_group (chapter 11).
+
+    Across restarts torchrun keeps ONE store for the whole job (TORCHELASTIC_USE_AGENT_STORE), and
+    the ranks of a killed attempt leave their addresses in it: a restarted rank that read one would
+    connect to a dead process. Numbering the attempts fails: TORCHELASTIC_RESTART_COUNT differs
+    between nodes, and a count of joined ranks goes wrong for good once a rank dies before joining.
+    So rank 0 starts a store of this attempt's own on a free port and posts the port in the job's
+    store; a rank that reads a dead attempt's port cannot connect, and reads again."""
+    import socket
+    import time
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a new store for every launch
+        return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    job_store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if rank == 0:  # rank 0 runs on the node that hosts the job's store (MASTER_ADDR)
+        own = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        job_store.set("ringside/attempt_store_port", str(own.port))
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        own_port = int(job_store.get("ringside/attempt_store_port"))  # waits until rank 0 posted one
+        try:  # a plain connection first: TCPStore would print pages of C++ errors for a dead port
+            socket.create_connection((host, own_port), timeout=5).close()
+            return dist.TCPStore(host, own_port, world_size, is_master=False, timeout=timeout)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def flush() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
