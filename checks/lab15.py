@@ -316,7 +316,7 @@ def diagnose_traffic(log, hosts_n, per_host, numel, where) -> str:
     return ""
 
 
-def check_all_reduce(checks: Checks, group) -> bool:
+def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
     """Against dist.all_reduce (computed here from every rank's known input) on every layout that fits."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tried = 0
@@ -329,7 +329,7 @@ def check_all_reduce(checks: Checks, group) -> bool:
             if inside:
                 host_group, peer_group = made[tuple(hosts[rank // per_host])], made[tuple(peers[rank % per_host])]
                 mine = example(rank, shape, dtype)
-                tensor = mine.clone()
+                tensor = mine.to(device)  # on the rank's GPU under nccl
                 where = f"hierarchical_all_reduce on {hosts_n} hosts x {per_host} ranks, {tuple(shape)} " \
                         f"{str(dtype).replace('torch.', '')}"
                 returned = None
@@ -359,12 +359,15 @@ def check_all_reduce(checks: Checks, group) -> bool:
                             f" - {numel} elements do not divide by {per_host} ranks per host: pad to a multiple "
                             f"(zeros), and drop the padding at the end" if uneven else "")
                 if not why:
+                    returned_itself = returned is tensor
+                    tensor = tensor.cpu()  # compared on the CPU, with the sum computed here
+                    returned = returned.cpu() if isinstance(returned, torch.Tensor) else returned
                     full = sum(example(r, shape, dtype) for r in range(hosts_n * per_host))
                     if tensor.dtype != dtype or tensor.shape != mine.shape:
                         why = f"{where}: `tensor` changed its dtype or shape"
                     elif not torch.equal(tensor, full):
                         why = diagnose_values(tensor, returned, mine, rank, hosts_n, per_host, shape, dtype, log)
-                    elif returned is not tensor:
+                    elif not returned_itself:
                         why = f"{where}: the sum is in `tensor`, but the function returned something else - return `tensor`"
                     else:
                         why = diagnose_traffic(log, hosts_n, per_host, tensor.numel(), where)
@@ -381,11 +384,11 @@ def check_all_reduce(checks: Checks, group) -> bool:
     return True
 
 
-def check_training(checks: Checks, per_host: int) -> None:
+def check_training(checks: Checks, per_host: int, device: torch.device) -> None:
     world = dist.get_world_size()
     groups = lab.make_groups(world, per_host)
-    theirs = lab.train(None)
-    ours = lab.train(groups)
+    theirs = lab.train(device, None).cpu()
+    ours = lab.train(device, groups).cpu()
     # Tolerance: the hook divides, then sums in another order than DDP: float32 rounding, about 1e-7
     # per step over a handful of steps; a mistake moves weights by far more than 1e-5.
     gap = (ours - theirs).abs().max().item()
@@ -404,8 +407,8 @@ def main(me: Rank, checks: Checks) -> None:
                "so the traffic across hosts is not checked: run on 4 ranks too")
     per_host = lab.ranks_per_host(me.world_size)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))  # the check's own messages
-    if check_layout(checks) and check_groups(checks) and check_all_reduce(checks, group):
-        check_training(checks, per_host)
+    if check_layout(checks) and check_groups(checks) and check_all_reduce(checks, group, me.device):
+        check_training(checks, per_host, me.device)
 
 
 def run(**learner) -> None:

@@ -103,16 +103,16 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 7), nn.Tanh(), nn.Linear(7, 3))  # 77 + 24 parameters: uneven
 
 
-def train(groups=None) -> torch.Tensor:
-    """STEPS of SGD with DDP on this rank's batches; with `groups`, DDP sends through
+def train(device: torch.device, groups=None) -> torch.Tensor:
+    """STEPS of SGD with DDP on this rank's batches, on `device`; with `groups`, DDP sends through
     hierarchical_hook. Returns the final weights, flat."""
-    model = DDP(make_model())
+    model = DDP(make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     if groups is not None:
         model.register_comm_hook(groups, hierarchical_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(100 + dist.get_rank())
     for _ in range(STEPS):
-        x = torch.randn(BATCH_PER_RANK, 10, generator=generator)
+        x = torch.randn(BATCH_PER_RANK, 10, generator=generator).to(device)
         optimizer.zero_grad()
         model(x).pow(2).mean().backward()
         optimizer.step()
