@@ -1,6 +1,6 @@
 """Chapter 03: the mistakes its check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 STEP = ("        ops = [dist.P2POp(dist.isend, tensor_list[send_slot], right),\n"
         "               dist.P2POp(dist.irecv, tensor_list[recv_slot], left)]\n"
@@ -72,3 +72,18 @@ MUTATIONS = [
              "likely a deadlock", 2),
 ]
 NPROCS = (2, 4)
+
+CORRECT = [
+    # A binomial tree (log2 N rounds, receivers pass the tensor on) is a right broadcast: the hints
+    # that blame messages between non-roots must fire only once the call failed.
+    Variant("broadcast as a binomial tree",
+            "    if rank == src:\n        for peer in range(world_size):\n            if peer != src:\n"
+            "                dist.send(tensor, dst=peer)\n    else:\n        dist.recv(tensor, src=src)\n",
+            "    rel, mask = (rank - src) % world_size, 1\n"
+            "    while mask < world_size:\n"
+            "        if rel < mask and rel + mask < world_size:\n"
+            "            dist.send(tensor, dst=(rel + mask + src) % world_size)\n"
+            "        elif mask <= rel < 2 * mask:\n"
+            "            dist.recv(tensor, src=(rel - mask + src) % world_size)\n"
+            "        mask *= 2\n", 3),
+]
