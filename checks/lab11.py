@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.capstone import ACCURACY_BAND, Progress, Result, amp_dtype, join_group, load_data, parse_args
 from ringside.compare import all_gather_tensor, flat_params, max_diff
 from ringside.syncbn import SyncBatchNorm
 
@@ -31,7 +32,7 @@ lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 # --- The checks -----------------------------------------------------------------------------------
 
 
-def check_sharding(checks: Checks, result: lab.Result, train_size: int, args: argparse.Namespace, me: Rank) -> None:
+def check_sharding(checks: Checks, result: Result, train_size: int, args: argparse.Namespace, me: Rank) -> None:
     batch = args.batch_size // me.world_size
     share = -(-train_size // me.world_size)  # DistributedSampler's share per rank
     expected = share // batch  # in full batches
@@ -221,7 +222,7 @@ def check_amp_step(checks: Checks, me: Rank) -> None:
     checks.expect(True, "")
 
 
-def check_evaluation(checks: Checks, result: lab.Result, test_set: TensorDataset) -> None:
+def check_evaluation(checks: Checks, result: Result, test_set: TensorDataset) -> None:
     """The distributed result must equal one process evaluating the whole test set."""
     net = result.model.module.eval()
     with torch.no_grad():
@@ -244,10 +245,10 @@ def check_evaluation(checks: Checks, result: lab.Result, test_set: TensorDataset
                   f"evaluation loss {got['loss']:.6f}, one process gets {ref_loss:.6f}: {hint}")
 
 
-def check_accuracy(checks: Checks, result: lab.Result, args: argparse.Namespace) -> None:
-    defaults = lab.parse_args([])
+def check_accuracy(checks: Checks, result: Result, args: argparse.Namespace) -> None:
+    defaults = parse_args([])
     measured = all(getattr(args, k) == getattr(defaults, k) for k in ("data", "epochs", "batch_size", "lr", "seed"))
-    low, high = lab.ACCURACY_BAND if measured else (0.5, 1.0)  # other settings: at least far better than chance
+    low, high = ACCURACY_BAND if measured else (0.5, 1.0)  # other settings: at least far better than chance
     acc = result.test["accuracy"]
     print0(f"test accuracy {acc:.3f} (band {low:.2f}-{high:.2f}) after {result.progress.global_step} steps")
     checks.expect(low <= acc <= high,
@@ -340,7 +341,7 @@ def check_restore(checks: Checks, me: Rank) -> None:
     """checkpoint_state, through a real save and load, then restore into fresh objects: every piece of
     state must be the checkpoint's again (tested directly: a resumed run would only show knock-on effects)."""
     saved = small_training(me, seed=1, steps=3)
-    progress = lab.Progress(epoch=1, step_in_epoch=8, global_step=30, loss_sum=12.5,
+    progress = Progress(epoch=1, step_in_epoch=8, global_step=30, loss_sum=12.5,
                             history=[{"epoch": 0, "train_loss": 1.5, "test_loss": 1.25, "test_accuracy": 0.75}])
     buffer = io.BytesIO()
     torch.save(lab.checkpoint_state(*saved, progress, me), buffer)
@@ -437,7 +438,7 @@ def batch_order_after_resume(reference: BatchLog, resumed: BatchLog) -> str | No
     return None
 
 
-def check_resume(checks: Checks, args: argparse.Namespace, me: Rank, reference: lab.Result, batches: BatchLog) -> None:
+def check_resume(checks: Checks, args: argparse.Namespace, me: Rank, reference: Result, batches: BatchLog) -> None:
     """Crash a second run mid-epoch, resume it, and compare with the uninterrupted run bit for bit.
     The causes come first (where it resumed, which batches it trained); the knock-on effects (the
     weights, the BatchNorm statistics) only when those are right."""
@@ -483,14 +484,14 @@ def check_resume(checks: Checks, args: argparse.Namespace, me: Rank, reference: 
 
 
 def main(checks: Checks) -> None:
-    args = lab.parse_args()
-    me = lab.join_group()
-    print0(f"training on {me.world_size} rank(s), backend {me.backend}, autocast {lab.amp_dtype(args, me)}")
+    args = parse_args()
+    me = join_group()
+    print0(f"training on {me.world_size} rank(s), backend {me.backend}, autocast {amp_dtype(args, me)}")
     batches = BatchLog()
     result = train_explained(checks, args, me, before_step=batches)
     if result is None:
         return
-    train_set, test_set = lab.load_data(args)
+    train_set, test_set = load_data(args)
     check_sharding(checks, result, len(train_set), args, me)
     check_augment(checks, train_set, me)
     check_replicas(checks, result.model)

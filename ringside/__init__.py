@@ -18,6 +18,8 @@ Each module says in its docstring which chapter explains what it does.
 - ring:       the ring all-reduce's schedule, pictures, cost model and measured results. chapter 04
 - rendezvous: fresh rendezvous files, a simulated two-node job, listening sockets.  chapter 05
 - syncbn:     synchronized BatchNorm for the capstone's CPU runs.                chapters 07, 11
+- capstone:   the capstone's given parts (command line, data, network, log), so that
+              lab 11's file holds only what it teaches.                         chapter 11
 
 Maintainers' tools (lab generator, notebook executor, benches, the namespace cluster) live apart,
 in the top-level folder tools/.
