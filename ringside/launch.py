@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -69,11 +69,34 @@ class RanksTimeout(TimeoutError):
         )
 
 
+def _reservation(host: str) -> socket.socket:
+    """A socket bound to a port the kernel chose, with SO_REUSEADDR, never listening.
+
+    While it stays open the kernel gives that port to no other bind to port 0 (another launch's
+    free_port, a gloo listener), yet a server meant for it can still bind and listen there: TCPStore
+    and libuv set SO_REUSEADDR too. A port merely found free and closed again can be taken by someone
+    else before the server binds it; with several tests launching at once, that happened."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
+
+
+_RESERVED: list[socket.socket] = []  # free_port's reservations, held for the life of this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago: bind to port 0 and let the kernel choose one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free port, reserved for this process (see _reservation) until it exits: a group's store can
+    be started on it at any later time, by this process or by one it starts."""
+    _RESERVED.append(_reservation(host))
+    return _RESERVED[-1].getsockname()[1]
+
+
+@contextmanager
+def reserved_port(host: str = "127.0.0.1"):
+    """A free port, reserved (see _reservation) until the with-block ends."""
+    with _reservation(host) as s:
+        yield s.getsockname()[1]
 
 
 # --- Forking ranks and collecting what they did (the one fork skeleton) ---------------------------
@@ -484,7 +507,12 @@ def fork_script(script: str | Path, nproc: int, *args: str, timeout: float = 120
     in milliseconds with the same variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), so the
     script cannot tell the difference. The caller must not have used OpenMP threads, CUDA, autograd
     or a process group before. Raises subprocess.TimeoutExpired if ranks still run after `timeout`."""
-    port, workdir = free_port(), tempfile.mkdtemp(prefix="ringside-fork-")
+    with reserved_port() as port:
+        return _fork_script(script, nproc, args, timeout, env, port)
+
+
+def _fork_script(script, nproc, args, timeout, env, port) -> subprocess.CompletedProcess:
+    workdir = tempfile.mkdtemp(prefix="ringside-fork-")
     shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_WORLD_SIZE": str(nproc),
               "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",

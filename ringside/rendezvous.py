@@ -17,7 +17,8 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from .launch import ROOT, Outcome, fork_processes, free_port, torchrun_command, torchrun_nodes  # noqa: F401
+from .launch import (ROOT, Outcome, fork_processes, free_port, reserved_port, torchrun_command,  # noqa: F401
+                     torchrun_nodes)
 
 WHOAMI = ROOT / "assets" / "05_init_methods" / "whoami.py"
 
@@ -60,10 +61,11 @@ def simulate_nodes(script: Path = WHOAMI, nnodes: int = 2, nproc: int = 2, *args
                    timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Start `nnodes` torchrun processes on this machine as if each were a node; all meet at a
     c10d rendezvous on 127.0.0.1. Returns each node's result; all are killed after `timeout` s."""
-    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    return torchrun_nodes([torchrun_command(script, nproc, *args, all_ranks=True, nnodes=nnodes, node_rank=node,
-                                            rdzv_endpoint=endpoint, run_id=run_id)
-                           for node in range(nnodes)], timeout)
+    with reserved_port() as port:
+        endpoint, run_id = f"127.0.0.1:{port}", uuid.uuid4().hex[:8]
+        return torchrun_nodes([torchrun_command(script, nproc, *args, all_ranks=True, nnodes=nnodes, node_rank=node,
+                                                rdzv_endpoint=endpoint, run_id=run_id)
+                               for node in range(nnodes)], timeout)
 
 
 TABLE_LINE = re.compile(r"^rank \d+ ")

@@ -102,3 +102,27 @@ def test_a_cell_interrupted_leaves_no_rank_behind():
     _Starter.current.stop()
     assert run_ranks(sum_ranks, 2, show_output=False) == [1.0, 1.0]
     assert _Starter.current.proc.pid != first
+
+
+def test_a_reserved_port_goes_to_no_other_bind_yet_a_store_can_serve_on_it():
+    """fork_script and free_port reserve their port: a port merely found free was once taken by another
+    test's launch before rank 0 listened on it ("failed to listen on any local network address")."""
+    import socket
+    from datetime import timedelta
+
+    from ringside.launch import free_port, reserved_port
+
+    def autobind() -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    with reserved_port() as port:
+        kept = free_port()
+        taken = {autobind() for _ in range(20_000)}  # without a reservation, a freed port comes back within this
+        assert port not in taken and kept not in taken
+        for use_libuv in (True, False):
+            store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10), use_libuv=use_libuv)
+            store.set("key", "value")
+            assert store.get("key") == b"value"
+            del store
