@@ -475,6 +475,13 @@ def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, e
         import faulthandler
 
         faulthandler.disable()  # the caller's (pytest's) handler writes to the caller's terminal
+        import logging
+
+        # A torchrun rank starts with no logging handlers; the caller's (pytest's capture) would
+        # swallow the script's records, and make its logging.basicConfig do nothing.
+        for handler in logging.root.handlers[:]:
+            logging.root.removeHandler(handler)
+        logging.root.setLevel(logging.WARNING)
         for fd, path in ((1, out), (2, err)):
             handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(handle, fd)
@@ -488,6 +495,8 @@ def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, e
         code = 0  # a script that returns instead of calling finish()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
     except BaseException:
         traceback.print_exc()
     finally:

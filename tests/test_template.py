@@ -1,8 +1,11 @@
 """template/train_ddp.py, the script practitioners copy: it runs as is, stops and resumes bit for bit.
 
-Every run is a real `torchrun` with tiny settings (2 epochs of 8x8 digits). Bit for bit: the
-template writes a SHA-256 of its final weights to OUT/result.json, and a run that was stopped
-(SIGTERM) or lost a rank (SIGKILL, restarted by torchrun) must end with the uninterrupted run's.
+Tiny settings (2 epochs of 8x8 digits). A run that is stopped (SIGTERM to torchrun) or restarted
+(a rank killed, torchrun restarts the processes) is a real `torchrun`; an uninterrupted run forks
+its processes with the variables torchrun sets (conftest.launch), which saves an `import torch` per
+process and is the same computation. Bit for bit: the template writes a SHA-256 of its final
+weights to OUT/result.json, and a run that was stopped or lost a rank must end with the
+uninterrupted run's.
 The two-host test needs root (network namespaces) and is skipped elsewhere with the reason.
 """
 
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH_TIMEOUT, ROOT
+from conftest import LAUNCH_TIMEOUT, ROOT, launch
 from torch import nn
 
 from ringside import run_ranks
@@ -31,14 +34,20 @@ TINY = ["--epochs", "2", "--log-every", "1000", "--checkpoint-every", "10"]
 STEPS = 88  # at 2 processes: 2 epochs of 44 steps of 2 x 16 images (1,437 training images)
 
 
-def train(out: Path, nproc: int, *args: str, restarts: int = 0) -> tuple[dict, str]:
-    """Run the template to its end; return (OUT/result.json, everything it printed)."""
-    try:
-        done = torchrun_script(SCRIPT, nproc, "--out", str(out), *TINY, *map(str, args), all_ranks=True,
-                               max_restarts=restarts, check=False, show=False, timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"the template on {nproc} processes still ran after {LAUNCH_TIMEOUT} s (a hang?): "
-                    f"{expired.stdout!r}")
+def train(out: Path, nproc: int, *args: str, restarts: int = 0, script: Path = SCRIPT,
+          common: list[str] = TINY) -> tuple[dict, str]:
+    """Run the template to its end; return (OUT/result.json, everything it printed). Forked processes
+    without restarts, torchrun with them."""
+    args = ["--out", str(out), *common, *map(str, args)]
+    if not restarts:
+        done = launch(script, nproc, *args)
+    else:
+        try:
+            done = torchrun_script(script, nproc, *args, all_ranks=True, max_restarts=restarts, check=False,
+                                   show=False, timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired as expired:
+            pytest.fail(f"{script.name} on {nproc} processes still ran after {LAUNCH_TIMEOUT} s (a hang?): "
+                        f"{expired.stdout!r}")
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     return json.loads((out / "result.json").read_text()), log
@@ -229,8 +238,8 @@ def test_resume_adapts_to_more_epochs_and_refuses_other_settings(tmp_path):
     # Another number of processes at the same global batch (1 x 32 = 2 x 16) goes on, with a warning.
     third, log = train(out, 1, "--epochs", "3", "--batch-size", "32", "--workers", "0")
     assert "resumed with 1 processes instead of 2 (same global batch)" in log and third["step"] == 3 * 44, log[-3000:]
-    done = torchrun_script(SCRIPT, 2, "--out", str(out), *TINY, "--epochs", "4", "--batch-size", "8", "--lr", "0.5",
-                           "--workers", "0", all_ranks=True, check=False, show=False, timeout=LAUNCH_TIMEOUT)
+    done = launch(SCRIPT, 2, "--out", str(out), *TINY, "--epochs", "4", "--batch-size", "8", "--lr", "0.5",
+                  "--workers", "0")
     log = done.stdout + done.stderr
     assert done.returncode != 0 and "written with other settings: --lr was 0.1, now 0.5; the global batch " \
         "(processes x --batch-size x --accum) was 32, now 16" in log, log[-3000:]
@@ -371,11 +380,7 @@ def test_other_models_adapted_where_the_readme_says_resume_bit_for_bit(tmp_path,
               "--batch-size", "8", "--workers", "0", "--lr", "0.05"]
 
     def run(out: Path, *extra: str, restarts: int = 0) -> tuple[dict, str]:
-        done = torchrun_script(script, 2, "--out", str(out), *common, *extra, all_ranks=True, max_restarts=restarts,
-                               check=False, show=False, timeout=LAUNCH_TIMEOUT)
-        log = done.stdout + done.stderr
-        assert done.returncode == 0, log[-4000:]
-        return json.loads((out / "result.json").read_text()), log
+        return train(out, 2, *extra, restarts=restarts, script=script, common=common)
 
     every = ["--eval-every", "8"] if example == "char_lm" else []  # step-based validation, mid-epoch
     plain, _ = run(tmp_path / "plain", *every)
