@@ -9,10 +9,12 @@ the host's loopback (unshaped: the fast link); between hosts over the shaped lin
                 round trip / 2), and the inter-host pair run by both local ranks at once (they share
                 their host's link)
     allreduce   dist.all_reduce over all ranks (gloo's ring: the "flat" ring), the hierarchical
-                all-reduce of lab 15 (solutions/15_hierarchy.py), and each of its three phases alone
-    steps       one training step of a 4-layer MLP (16 MiB of fp32 parameters): no communication
-                (DDP under no_sync), DDP (4 MiB buckets), DDP with the hierarchical hook, FSDP2 over
-                all ranks, HSDP (FSDP2 on a 2-D mesh: replicate across hosts, shard inside)
+                all-reduce of lab 15 (solutions/15_hierarchy.py), each of its three phases alone, and
+                the reduce-scatter and all-gather over all ranks that FSDP uses
+    steps       one training step of a 4-layer MLP at each --widths (8, 16 and 32 MiB of fp32
+                parameters by default): no communication (DDP under no_sync), DDP (4 MiB buckets),
+                DDP with the hierarchical hook, FSDP2 over all ranks, HSDP (FSDP2 on a 2-D mesh:
+                replicate across hosts, shard inside)
 
 Every time is the slowest rank's; beside it the bytes each host's interface sent, from its own
 counters. Rank 0 of each job writes a part; the driver merges them into assets/15_hierarchy/cluster.json.
@@ -119,7 +121,7 @@ def worker(opts) -> None:
     lab = load_lab()
     world, hosts = me.world_size, me.world_size // PER_HOST
     host_group, peer_group = lab.make_groups(world, PER_HOST)
-    result = {"hosts": hosts, "ranks_per_host": PER_HOST, "links": [], "allreduce": [], "steps": {}}
+    result = {"hosts": hosts, "ranks_per_host": PER_HOST, "links": [], "allreduce": [], "sizes": []}
     say = print if me.is_main else (lambda *a, **k: None)
 
     # --- links
@@ -136,12 +138,15 @@ def worker(opts) -> None:
     for size_mib in (1, 4, 16):
         tensor = torch.ones(size_mib * MiB // 4)
         shard = torch.ones(tensor.numel() // PER_HOST)
+        world_shard = torch.ones(tensor.numel() // world)
         methods = {
             "flat": lambda: dist.all_reduce(tensor),
             "hierarchical": lambda: lab.hierarchical_all_reduce(tensor, host_group, peer_group),
             "phase_reduce_scatter": lambda: dist.reduce_scatter_single(shard, tensor, group=host_group),
             "phase_all_reduce": lambda: dist.all_reduce(shard, group=peer_group),
             "phase_all_gather": lambda: dist.all_gather_single(tensor, shard, group=host_group),
+            "world_reduce_scatter": lambda: dist.reduce_scatter_single(world_shard, tensor),
+            "world_all_gather": lambda: dist.all_gather_single(tensor, world_shard),
         }
         for name, fn in methods.items():
             seconds, sent = timed(fn, opts.reps)
@@ -157,16 +162,14 @@ def worker(opts) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    x = torch.randn(opts.batch, opts.width)
-
     def ddp_model(hook: bool):
-        model = DDP(mlp(opts.width, opts.layers), bucket_cap_mb=4)
+        model = DDP(mlp(width, opts.layers), bucket_cap_mb=4)
         if hook:
             model.register_comm_hook((host_group, peer_group), lab.hierarchical_hook)
         return model
 
     def sharded(mesh):
-        model = mlp(opts.width, opts.layers)
+        model = mlp(width, opts.layers)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -181,26 +184,31 @@ def worker(opts) -> None:
         "fsdp": lambda: sharded(flat_mesh),
         "hsdp": lambda: sharded(mesh_2d),
     }
-    for name, make in makers.items():
-        try:
-            model = make()
-            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for width in [int(w) for w in opts.widths.split(",")]:
+        x = torch.randn(opts.batch, width)
+        model_info = {"width": width, "layers": opts.layers, "batch": opts.batch,
+                      "param_bytes": sum(p.numel() * 4 for p in mlp(width, opts.layers).parameters())}
+        steps = {}
+        for name, make in makers.items():
+            try:
+                model = make()
+                optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
-            def step():
-                with model.no_sync() if name == "no_comm" else nullcontext():
-                    optimizer.zero_grad()
-                    model(x).pow(2).mean().backward()
-                optimizer.step()
+                def step(model=model, optimizer=optimizer, name=name):
+                    with model.no_sync() if name == "no_comm" else nullcontext():
+                        optimizer.zero_grad()
+                        model(x).pow(2).mean().backward()
+                    optimizer.step()
 
-            seconds, sent = timed(step, opts.steps)
-            result["steps"][name] = {"seconds": seconds, "sent_per_host": sent}
-            say(f"step {name:<18} {seconds * 1000:8.1f} ms, host 0 sent {sent[0] / MiB:6.1f} MiB", flush=True)
-            del model, optimizer
-        except Exception as error:  # one mode failing must not lose the others
-            result["steps"][name] = {"error": f"{type(error).__name__}: {error}"}
-            say(f"step {name}: {error}", flush=True)
-    result["model"] = {"width": opts.width, "layers": opts.layers, "batch": opts.batch,
-                       "param_bytes": sum(p.numel() * 4 for p in mlp(opts.width, opts.layers).parameters())}
+                seconds, sent = timed(step, opts.steps)
+                steps[name] = {"seconds": seconds, "sent_per_host": sent}
+                say(f"step {model_info['param_bytes'] / MiB:4.0f} MiB {name:<18} {seconds * 1000:8.1f} ms, "
+                    f"host 0 sent {sent[0] / MiB:6.1f} MiB", flush=True)
+                del model, optimizer
+            except Exception as error:  # one mode failing must not lose the others
+                steps[name] = {"error": f"{type(error).__name__}: {error}"}
+                say(f"step {name}: {error}", flush=True)
+        result["sizes"].append({"model": model_info, "steps": steps})
     if me.is_main:
         Path(opts.part).write_text(json.dumps(result, indent=1))
     finish(0)
@@ -211,7 +219,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rate", default="1gbit", help="each host's link rate, each way (tc syntax)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--widths", default="724,1024,1448", help="MLP widths (8, 16, 32 MiB of parameters)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--hosts", default=",".join(map(str, HOST_COUNTS)))
@@ -232,7 +240,7 @@ def main(argv: list[str]) -> int:
               "ranks_per_host": PER_HOST, "reps": opts.reps, "runs": {}}
     for hosts in [int(h) for h in opts.hosts.split(",")]:
         part = Path(opts.out).with_name(f".part_{hosts}.json")
-        args = ["--worker", "--rate", opts.rate, "--reps", opts.reps, "--steps", opts.steps, "--width", opts.width,
+        args = ["--worker", "--rate", opts.rate, "--reps", opts.reps, "--steps", opts.steps, "--widths", opts.widths,
                 "--layers", opts.layers, "--batch", opts.batch, "--part", part.resolve()]
         try:
             cluster.up(hosts, opts.rate)
