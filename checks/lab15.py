@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.lab import known_cause
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -355,9 +356,10 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
                         uneven = per_host > 1 and numel % per_host and any(
                             word in text for word in ("size", "shape", "numel", "match", "divisible", "expand"))
                         first = re.sub(r"^(\[rank\d+\]:)?\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
+                        cause = known_cause(error)
                         why = why or f"{where} raised {type(error).__name__}: {first[:160]}" + (
                             f" - {numel} elements do not divide by {per_host} ranks per host: pad to a multiple "
-                            f"(zeros), and drop the padding at the end" if uneven else "")
+                            f"(zeros), and drop the padding at the end" if uneven else f" - {cause}" if cause else "")
                 if not why:
                     returned_itself = returned is tensor
                     tensor = tensor.cpu()  # compared on the CPU, with the sum computed here

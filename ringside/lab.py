@@ -51,6 +51,22 @@ class Checks:
         return self.count > 0 and not self.failures
 
 
+# PyTorch errors whose words do not say what to change: (words in the message, what it means here)
+KNOWN_CAUSES = [
+    (("mutually exclusive with shuffle",),
+     "a DataLoader with a sampler takes its order from the sampler: drop shuffle=True (DistributedSampler "
+     "shuffles, and set_epoch gives each epoch its own order)"),
+    (("dtype() == ", "dtype()"),
+     "the tensors of one collective must have one dtype: make its buffers with dtype=the input's dtype"),
+]
+
+
+def known_cause(error: BaseException) -> str | None:
+    """What a PyTorch error means for the learner, where its own words do not say it."""
+    message = str(error)
+    return next((cause for words, cause in KNOWN_CAUSES if all(w in message for w in words)), None)
+
+
 def explain(error: BaseException) -> str:
     """One line for the learner: the TODO still open, a likely deadlock, or the crash and where."""
     where = _where(error)
@@ -64,7 +80,8 @@ def explain(error: BaseException) -> str:
     if "closed by peer" in message:  # a neighbour timed out first and gloo closed its connections
         return (f"a neighbour gave up waiting and closed the connection ({where}): likely a "
                 f"deadlock - a send, recv or collective that the other rank never matched")
-    return f"{type(error).__name__}: {text} ({where})"
+    cause = known_cause(error)
+    return f"{type(error).__name__}: {text} ({where})" + (f" - {cause}" if cause else "")
 
 
 def _todo_text(error: BaseException) -> str | None:

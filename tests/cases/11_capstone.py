@@ -72,4 +72,7 @@ MUTATIONS = [
     Mutation("augmentation of the whole batch at once",
              "        return torch.stack([AUGMENT(image) for image in images])\n",
              "        return AUGMENT(images)\n", "the whole batch shared one draw"),
+    # found by trying mistakes not planted: PyTorch's words say what clashes, not what to change
+    Mutation("DataLoader shuffles as well as the sampler", "sampler=sampler, drop_last=True)",
+             "sampler=sampler, drop_last=True, shuffle=True)", "drop shuffle=True (DistributedSampler shuffles"),
 ]

@@ -63,6 +63,9 @@ MUTATIONS = [
              "ran on the default group", 2),
     Mutation("async all-reduce never waited", ACROSS, "    dist.all_reduce(mine, group=peer_group, async_op=True)\n",
              "async_op=True", 2),
+    Mutation("shard buffer in float32 whatever the tensor's dtype",
+             "    mine = torch.empty(shard, dtype=flat.dtype, device=flat.device)\n",
+             "    mine = torch.empty(shard, device=flat.device)\n", "make its buffers with dtype=the input's dtype", 2),
 ]
 
 CORRECT = [
