@@ -58,6 +58,17 @@ KNOWN_CAUSES = [
      "shuffles, and set_epoch gives each epoch its own order)"),
     (("dtype() == ", "dtype()"),
      "the tensors of one collective must have one dtype: make its buffers with dtype=the input's dtype"),
+    (("Expected parameter `tensor` of type torch.Tensor",),
+     "collectives take tensors and change them in place: t = torch.tensor([x]), then read t.item()"),
+    (("invalid output tensor list",),
+     "all_gather fills a list of one tensor per rank: [torch.empty_like(t) for _ in range(world_size)]"),
+    (("allgather: invalid tensor size",),
+     "an all-gather's output holds world_size pieces, each the size of one rank's input"),
+    (("invalid root rank",),
+     "src and dst are ranks of the group, 0 to world_size - 1"),
+    (("can't be cast to the desired output type Long",),
+     "an integer tensor cannot hold a fraction (an average, or an in-place division): sum (ReduceOp.SUM) "
+     "and divide into a float tensor"),
 ]
 
 

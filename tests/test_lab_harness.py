@@ -72,3 +72,40 @@ def test_all_pass_exits_0(tmp_path, nproc):
     result = launch(path, nproc)
     assert result.returncode == 0
     assert "All 2 ranks PASS." in result.stdout
+
+
+def raise_each_known_error(rank, world_size):
+    """The real errors that ringside.lab.KNOWN_CAUSES explains, each raised on every rank alike."""
+    import torch
+    import torch.distributed as dist
+
+    from ringside.lab import explain
+
+    attempts = [  # in the order of KNOWN_CAUSES (its DataLoader entry is no collective: lab 11 plants it)
+        lambda: dist.reduce_scatter_single(torch.zeros(1), torch.ones(2, dtype=torch.float64)),
+        lambda: dist.all_reduce(3.0),
+        lambda: dist.all_gather([torch.zeros(2)], torch.ones(2)),
+        lambda: dist.all_gather_into_tensor(torch.zeros(3), torch.ones(2)),
+        lambda: dist.broadcast(torch.zeros(2), src=world_size),
+        lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG),
+    ]
+    verdicts = []
+    for attempt in attempts:
+        try:
+            attempt()
+            verdicts.append("no error")
+        except Exception as error:  # noqa: BLE001 - each is explained, not raised
+            verdicts.append(explain(error))
+    return verdicts
+
+
+def test_pytorch_errors_that_do_not_say_what_to_change_are_explained():
+    """Held to this torch's real messages, so a reworded one shows here, not in front of a learner."""
+    from ringside import run_ranks
+    from ringside.lab import KNOWN_CAUSES
+
+    verdicts = run_ranks(raise_each_known_error, 2, timeout=60, show_output=False)[0]
+    causes = [cause for _, cause in KNOWN_CAUSES if "DataLoader" not in cause]
+    assert len(verdicts) == len(causes)
+    for verdict, cause in zip(verdicts, causes):
+        assert verdict.endswith(cause), (verdict, cause)
