@@ -1,6 +1,6 @@
 """Chapter 02: the mistakes its check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 HALO = ("    return dist.batch_isend_irecv([\n"
         "        dist.P2POp(dist.isend, local[-width:].contiguous(), right),  # travels right ...\n"
@@ -100,3 +100,9 @@ MUTATIONS = [
              "the exchange would wait for ever", 3),
 ]
 NPROCS = (2, 3, 4)
+
+# Right code written otherwise: the check must pass it (found by trying it as a learner might).
+CORRECT = [
+    Variant("digit appended in place", "        token = token * 10 + rank + 1\n",
+            "        token.mul_(10).add_(rank + 1)\n", 3),
+]

@@ -1,6 +1,6 @@
 """Chapter 04: the mistakes its check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 SCATTER = ("        arrived = landing[:chunks[receive].numel()]\n"
            "        send_right_receive_left(chunks[send], arrived)\n"
@@ -100,4 +100,14 @@ MUTATIONS = [
              "    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once\n"
              "    for step in range(world_size):",
              "run each phase for exactly N - 1 steps", 3),
+]
+
+# Right code written otherwise: the check must pass it (found by trying it as a learner might).
+CORRECT = [
+    Variant("chunks by torch.tensor_split",
+            "    base, extra = divmod(flat.numel(), world_size)\n"
+            "    sizes = [base + (1 if i < extra else 0) for i in range(world_size)]\n"
+            "    starts = [sum(sizes[:i]) for i in range(world_size)]\n"
+            "    return [flat[start:start + size] for start, size in zip(starts, sizes)]\n",
+            "    return list(torch.tensor_split(flat, world_size))\n", 3),
 ]
