@@ -240,13 +240,25 @@ def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
     if untouched:
         return (f"after adam_update {' and '.join(untouched)} still hold zeros: `exp_avg = ...` makes a new tensor "
                 f"the optimizer never sees - update the moments in place (exp_avg.lerp_, exp_avg_sq.mul_().addcmul_)")
-    why = "the moments keep the raw averages: the bias correction goes into the step only, not into them"
+    beta1, beta2 = lab.BETAS
+
+    def why(mine, theirs, beta, other, size, name) -> str:
+        # Each known mistake scales Adam's moment by a factor that step 1 (from zeros) shows alone.
+        known = [(1 / (1 - beta ** t), "the moments keep the raw averages: the bias correction goes into the step "
+                                       "only, not into them")]
+        if t == 1:
+            known += [(beta / (1 - beta), f"the weights are swapped: the new average keeps {name} of the old one "
+                                          f"and takes 1 - {name} of the new value"),
+                      ((1 - other) / (1 - beta), "beta1 and beta2 are swapped: beta1, beta2 = betas")]
+        return next((f" ({text})" for factor, text in known if near(mine, theirs * factor, size)), "")
+
     if not near(exp_avg, state["exp_avg"], scale):
         return (f"exp_avg differs from torch.optim.Adam's after step {t}: exp_avg = beta1 * exp_avg + (1 - beta1) * "
-                f"grad, beta1 = betas[0] = {lab.BETAS[0]} ({why})")
+                f"grad, beta1 = betas[0] = {beta1}" + why(exp_avg, state["exp_avg"], beta1, beta2, scale, "beta1"))
     if not near(exp_avg_sq, state["exp_avg_sq"], scale ** 2):
         return (f"exp_avg_sq differs from torch.optim.Adam's after step {t}: exp_avg_sq = beta2 * exp_avg_sq + "
-                f"(1 - beta2) * grad * grad, beta2 = betas[1] = {lab.BETAS[1]} ({why})")
+                f"(1 - beta2) * grad * grad, beta2 = betas[1] = {beta2}"
+                + why(exp_avg_sq, state["exp_avg_sq"], beta2, beta1, scale ** 2, "beta2"))
     return None
 
 

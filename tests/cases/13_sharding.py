@@ -1,6 +1,6 @@
 """Chapter 13: the mistakes of a sharded Adam (ZeRO-1) by hand, each of which the lab's check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 MUTATIONS = [
     Mutation("no padding", "    missing = -flat.numel() % world_size\n", "    missing = 0\n",
@@ -64,7 +64,10 @@ MUTATIONS = [
     Mutation("param rebound, not moved in place", "    param.addcdiv_(exp_avg, denominator, value=-step_size)\n",
              "    param = param - step_size * exp_avg / denominator\n", "adam_update did not move param", 2),
     Mutation("betas swapped", "    beta1, beta2 = betas\n", "    beta2, beta1 = betas\n",
-             "exp_avg differs from torch.optim.Adam's", 2),
+             "beta1 and beta2 are swapped", 2),
+    # found by trying mistakes not planted (the first two at 2, 3 and 4 ranks)
+    Mutation("lerp weight swapped", "    exp_avg.lerp_(grad, 1 - beta1)\n", "    exp_avg.lerp_(grad, beta1)\n",
+             "the weights are swapped", 2),
     Mutation("moments bias-corrected in place",
              "    step_size = lr / (1 - beta1 ** t)\n"
              "    denominator = (exp_avg_sq.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)\n",
@@ -116,3 +119,15 @@ MUTATIONS = [
 ]
 
 NPROCS = (2, 3, 4)
+
+# Right code written otherwise: the check must pass it (found by trying it as a learner might).
+CORRECT = [
+    Variant("Adam as the paper writes it (bias-corrected copies, another rounding)",
+            "    exp_avg.lerp_(grad, 1 - beta1)\n    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)\n"
+            "    step_size = lr / (1 - beta1 ** t)\n"
+            "    denominator = (exp_avg_sq.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)\n"
+            "    param.addcdiv_(exp_avg, denominator, value=-step_size)\n",
+            "    exp_avg.mul_(beta1).add_(grad * (1 - beta1))\n    exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))\n"
+            "    m_hat = exp_avg / (1 - beta1 ** t)\n    v_hat = exp_avg_sq / (1 - beta2 ** t)\n"
+            "    param.sub_(lr * m_hat / (v_hat.sqrt() + eps))\n", 3),
+]
