@@ -378,10 +378,26 @@ def check_probe(checks: Checks, me: Rank) -> bool:
             loss = plain(x).square().mean()
         loss.backward()
     launches = sum(e[0] == "launch" for e in events)
-    return checks.expect(launches == 0, f"rank {me.rank}: a forward inside no_sync() and its backward outside it "
+    if not checks.expect(launches == 0, f"rank {me.rank}: a forward inside no_sync() and its backward outside it "
                                         f"launched {launches} all-reduce(s); DDP launches none - it decides at the "
                                         f"forward. The hook must obey self.reduce_this_backward, which forward() "
-                                        f"sets, not self.sync")
+                                        f"sets, not self.sync"):
+        return False
+    # no_sync() ends however its block ends: after an exception inside it, backward reduces again
+    events.clear()
+    with recording_all_reduce(events):
+        plain = lab.HandDDP(nn.Linear(5, 3).to(me.device))
+        try:
+            with plain.no_sync():
+                raise KeyboardInterrupt  # what a learner's Ctrl-C, or any error, does to the block
+        except KeyboardInterrupt:
+            pass
+        plain(x).square().mean().backward()
+        during_backward = sum(e[0] == "launch" for e in events)
+        plain.finish_gradient_sync()
+    return checks.expect(during_backward > 0, f"rank {me.rank}: after an exception inside no_sync(), the next "
+                                              f"backward launched no all-reduce: no_sync() must turn sync back on "
+                                              f"however its block ends (in a finally:)")
 
 
 def reference_run(me: Rank, windows: list) -> tuple[list, list, torch.Tensor]:

@@ -136,4 +136,9 @@ MUTATIONS = [
              "        grads = [p.grad if p.grad is not None else torch.zeros_like(p)\n",
              "        grads = [p.detach() if p.grad is not None else torch.zeros_like(p)\n",
              "did not carry this rank's gradients"),
+    # found by trying mistakes not planted at 2, 3 and 4 ranks: the check never raised inside the block
+    Mutation("no_sync() without finally: an exception leaves sync off",
+             "        self.sync = False\n        try:\n            yield\n        finally:\n            self.sync = True\n",
+             "        self.sync = False\n        yield\n        self.sync = True\n",
+             "turn sync back on however its block ends"),
 ]
