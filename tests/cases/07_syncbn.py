@@ -1,6 +1,6 @@
 """Chapter 07: the mistakes its check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 GRAD_X = ("per_channel(sum_dy / count, grad_out) - x_hat * per_channel(sum_dy_xhat / count, grad_out)")
 SAVE = ("        ctx.save_for_backward(x_hat, weight, invstd, count)\n"
@@ -63,4 +63,22 @@ MUTATIONS = [
              "async_op=True in backward is never waited on", 4),
     Mutation("statistics all-reduced with AVG", "dist.all_reduce(local, op=dist.ReduceOp.SUM)",
              "dist.all_reduce(local, op=dist.ReduceOp.AVG)", "was it all_reduced with ReduceOp.AVG?", 3),
+]
+
+# Right code written otherwise: the check must pass it (found by trying it as a learner might).
+CORRECT = [
+    Variant("two passes: the global mean first, then the squared deviations from it",
+            "    local_sum = x.sum(dims)\n"
+            "    local = torch.stack([torch.full_like(local_sum, x.numel() // x.shape[1]), local_sum, (x * x).sum(dims)])\n"
+            "    dist.all_reduce(local, op=dist.ReduceOp.SUM)\n"
+            "    count, total, total_sq = local\n"
+            "    mean = total / count\n"
+            "    var = total_sq / count - mean * mean\n",
+            "    local = torch.stack([torch.full_like(x.sum(dims), x.numel() // x.shape[1]), x.sum(dims)])\n"
+            "    dist.all_reduce(local)\n"
+            "    count, total = local\n"
+            "    mean = total / count\n"
+            "    squares = ((x - mean.view([1, -1] + [1] * (x.dim() - 2))) ** 2).sum(dims)\n"
+            "    dist.all_reduce(squares)\n"
+            "    var = squares / count\n", 3),
 ]
