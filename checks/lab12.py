@@ -94,6 +94,10 @@ def check_buckets(checks: Checks, params: list, buckets) -> bool:
         checks.fail("make_buckets([20, 30, 70 elements], cap 100) gave [[2, 1, 0]], expected [[2, 1], [0]]: "
                     "a bucket that holds exactly cap elements is full - close it at size >= cap, not > cap")
         return False
+    if exact == [[2, 1]] and over == [[1], [0]]:  # the lab's model fills its last bucket; most models do not
+        checks.fail("make_buckets([20, 30, 70 elements], cap 100) gave [[2, 1]], expected [[2, 1], [0]]: parameter 0 "
+                    "is in no bucket - the last bucket is rarely full: after the loop, keep the one still being filled")
+        return False
     n = len(params)
     try:
         flat = [int(i) for bucket in buckets for i in bucket]

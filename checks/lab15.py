@@ -284,6 +284,10 @@ def diagnose_values(result, returned, mine, rank, hosts_n, per_host, shape, dtyp
     if per_host > 1 and torch.equal(flat_got, flat_full * per_host) is False and \
             torch.allclose(flat_got, flat_full * per_host):
         return f"{where} is {per_host}x the sum: the host's sum was counted once per rank of the host"
+    padded = torch.cat([flat_full, flat_full.new_zeros(shard * per_host - flat_full.numel())])
+    if per_host > 1 and padded.numel() > flat_full.numel() and torch.equal(flat_got, padded[-flat_full.numel():]):
+        return (f"{where} is the sum shifted by the padding: the zeros pad the END of the buffer, so the sum is its "
+                f"first {flat_full.numel()} elements - copy padded[:numel] back, not its last ones")
     wrong = int((flat_got != flat_full).sum())
     return (f"{where} differs from dist.all_reduce in {wrong} of {flat_got.numel()} elements (shards right: "
             f"{right or 'none'}); collectives called: {names}")
@@ -330,7 +334,7 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
             if inside:
                 host_group, peer_group = made[tuple(hosts[rank // per_host])], made[tuple(peers[rank % per_host])]
                 mine = example(rank, shape, dtype)
-                tensor = mine.to(device)  # on the rank's GPU under nccl
+                tensor = mine.to(device, copy=True)  # a copy (on the rank's GPU under nccl): `mine` stays the input
                 where = f"hierarchical_all_reduce on {hosts_n} hosts x {per_host} ranks, {tuple(shape)} " \
                         f"{str(dtype).replace('torch.', '')}"
                 returned = None

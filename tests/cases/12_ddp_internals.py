@@ -141,4 +141,6 @@ MUTATIONS = [
              "        self.sync = False\n        try:\n            yield\n        finally:\n            self.sync = True\n",
              "        self.sync = False\n        yield\n        self.sync = True\n",
              "turn sync back on however its block ends"),
+    Mutation("the last bucket dropped when it is not full", "    if current:\n        buckets.append(current)\n", "",
+             "keep the one still being filled"),
 ]

@@ -66,6 +66,8 @@ MUTATIONS = [
     Mutation("shard buffer in float32 whatever the tensor's dtype",
              "    mine = torch.empty(shard, dtype=flat.dtype, device=flat.device)\n",
              "    mine = torch.empty(shard, device=flat.device)\n", "make its buffers with dtype=the input's dtype", 2),
+    Mutation("the sum copied from the end of the padded buffer", "    flat.copy_(padded[:flat.numel()])\n",
+             "    flat.copy_(padded[-flat.numel():])\n", "the sum shifted by the padding", 3),
 ]
 
 CORRECT = [
