@@ -241,11 +241,11 @@ def diagnose_values(result, returned, mine, rank, hosts_n, per_host, shape, dtyp
     world = hosts_n * per_host
     host = rank // per_host
     full = sum(example(r, shape, dtype).double() for r in range(world))
-    got = result.double()
+    got = result.double().cpu()  # the expected values are built on the CPU; under nccl the result is on the GPU
     where = (f"{hosts_n} hosts x {per_host} ranks, {tuple(shape)} {str(dtype).replace('torch.', '')}: rank {rank}'s "
              f"result")
     if returned is not None and isinstance(returned, torch.Tensor) and returned.shape == result.shape and \
-            torch.equal(returned.double(), full) and not torch.equal(got, full):
+            torch.equal(returned.double().cpu(), full) and not torch.equal(got, full):
         return (f"{where}: the returned tensor holds the sum but `tensor` itself does not - the caller keeps "
                 f"`tensor`: copy the sum into it (in place), without the padding")
     names = [c["name"] for c in log.calls]
