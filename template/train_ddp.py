@@ -23,30 +23,46 @@ within two steps and exits.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import itertools
-import json
-import logging
-import os
-import random
 import signal
-import socket
-import sys
-import time
-import warnings
-from contextlib import nullcontext
-from datetime import timedelta
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
-from tqdm import tqdm
+# SIGTERM (Slurm's warning, torchrun passing a signal on) only sets this flag; training acts on it at
+# the next step. Installed before anything else: a signal during the seconds of `import torch` must
+# not kill the process either.
+STOP_REQUESTED = False
+
+
+def request_stop(signum, frame) -> None:
+    global STOP_REQUESTED
+    STOP_REQUESTED = True  # acted on at the next step boundary, where the state is consistent
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, request_stop)
+
+import argparse  # noqa: E402 - after the handler above
+import ctypes  # noqa: E402
+import hashlib  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 log = logging.getLogger("train_ddp")
 
@@ -428,18 +444,34 @@ def pick_amp(choice: str, device: torch.device) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
-STOP_REQUESTED = False
+TRAINER_PID = os.getpid()  # (set again in main(); forked DataLoader workers inherit it)
 
 
-def ignore_sigterm(worker_id: int) -> None:
-    """In DataLoader workers: torchrun and Slurm signal every process, and a worker killed by SIGTERM
-    would crash the training process before it can save."""
+def worker_init(worker_id: int) -> None:
+    """First thing in every DataLoader worker. Slurm and torchrun signal every process, and a worker
+    killed by SIGTERM makes the training process raise before it can save; so workers ignore SIGTERM.
+    They are forked with SIGTERM blocked (start_workers): one that arrived since is still pending,
+    and SIG_IGN discards it before the unblock. And a worker dies with its training process
+    (Linux: PR_SET_PDEATHSIG), even one killed with SIGKILL, instead of lingering for seconds."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != TRAINER_PID:  # it died before prctl: no signal would come
+            os._exit(0)
 
 
-def request_stop(signum, frame) -> None:
-    global STOP_REQUESTED
-    STOP_REQUESTED = True  # acted on at the next step boundary, where the state is consistent
+def start_workers(loader: DataLoader):
+    """iter(loader), with SIGTERM blocked while it forks the workers (they inherit the blocked
+    signal until worker_init ignores it). PyTorch's own SIGTERM handler, installed in a worker
+    before worker_init runs, would otherwise let a signal in that window kill it. This process
+    receives a SIGTERM that arrived meanwhile as soon as the signal is unblocked."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def fail_once_if_asked(args: argparse.Namespace, out: Path, rank: int, step: int) -> None:
@@ -462,7 +494,9 @@ def main() -> None:
     is_main = rank == 0
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, stream=sys.stdout,
                         format=f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
-    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)  # (set at import already when run as a script)
+    global TRAINER_PID
+    TRAINER_PID = os.getpid()
 
     # Reproducible: the same seed gives the same initial weights, data order and augmentation.
     random.seed(args.seed)
@@ -478,7 +512,7 @@ def main() -> None:
                         num_workers=args.workers, pin_memory=device.type == "cuda",
                         persistent_workers=False,  # new workers each epoch see the dataset's new epoch
                         generator=torch.Generator().manual_seed(args.seed),  # leaves the global RNG alone
-                        worker_init_fn=ignore_sigterm)
+                        worker_init_fn=worker_init)
     steps_per_epoch = len(sampler) // args.batch_size // args.accum
     if steps_per_epoch == 0:
         raise SystemExit(f"an epoch has fewer than {args.accum} batches of {args.batch_size} per process")
@@ -567,6 +601,7 @@ def main() -> None:
     # SIGTERM may reach one rank only, and all must stop at the same step: every step all-reduces the
     # ranks' stop flags, without waiting, and reads the sum one step later (no pause for the GPU).
     stop_votes, stop_work = None, None
+    micro_batches = None  # the DataLoader's iterator over this epoch (with its workers)
 
     def validate_and_keep_best(stop_work):
         """Evaluate, log, and keep best.pt; returns None for the stop vote it waited for."""
@@ -595,7 +630,8 @@ def main() -> None:
         train_set.epoch = epoch  # the augmentation's epoch (workers get a fresh copy each epoch)
         sampler.skip = done_in_epoch * args.accum * args.batch_size  # mid-epoch resume
         model.train()
-        micro_batches = iter(loader)
+        micro_batches = None  # the last epoch's workers stop before the new ones start
+        micro_batches = start_workers(loader)
         for _ in range(done_in_epoch, min(steps_per_epoch, done_in_epoch + total_steps - step)):
             fail_once_if_asked(args, out, rank, step)
             time.sleep(args.step_delay)
@@ -650,6 +686,7 @@ def main() -> None:
         if step % steps_per_epoch == 0 or step == total_steps:  # validate, keep the best, checkpoint
             stop_work = validate_and_keep_best(stop_work)
             save_checkpoint()
+    micro_batches = None  # stops this epoch's workers now (os._exit below would leave them behind)
     bar.close()
     if board is not None:
         board.close()

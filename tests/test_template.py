@@ -14,8 +14,14 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
+import random
+import runpy
+import select
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +30,7 @@ from conftest import LAUNCH_TIMEOUT, ROOT, launch
 from torch import nn
 
 from ringside import run_ranks
-from ringside.launch import quiet_env, torchrun_command, torchrun_script
+from ringside.launch import quiet_env, reserved_port, torchrun_command, torchrun_script
 from tools import cluster
 
 pytestmark = pytest.mark.slow(3)  # real torchrun jobs, killed and resumed
@@ -138,6 +144,141 @@ def test_sigterm_saves_and_a_killed_rank_resumes_bit_for_bit(tmp_path):
     assert log.count("resumed from") == 2, log[-3000:]
     assert resumed["weights_sha256"] == plain["weights_sha256"], "not bit for bit equal after SIGTERM and a restart"
     no_temporary_files(out)
+
+
+# --- SIGTERM at any moment -------------------------------------------------------------------------
+
+# One process, 2 loader workers, 11 steps per epoch (1,437 images in batches of 128), a log line
+# every 3 steps and a validation every 6: about a second in all, with new workers every epoch.
+FAST = ["--epochs", "4", "--batch-size", "128", "--workers", "2", "--log-every", "3", "--eval-every", "6",
+        "--checkpoint-every", "1000"]
+# Where a SIGTERM lands: a line the template prints, and what it does right after that line.
+PHASES = {
+    "start of training (the first workers fork)": "process(es), backend",
+    "epoch boundary (checkpoint, new workers)": "(epoch 1.00): validation",
+    "second epoch boundary": "(epoch 2.00): validation",
+    "mid-epoch (workers busy)": "step 15/44",
+    "evaluation (step 18's validation)": "step 18/44",
+}
+
+
+def _trial_process(script: Path, args: list[str], port: int, write_fd: int) -> None:
+    """The forked training process of one trial: a process group of its own (its loader workers
+    join it: a signal to the group reaches every process, as Slurm's does), output to the pipe."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        import faulthandler
+        import logging
+
+        faulthandler.disable()
+        for handler in logging.root.handlers[:]:
+            logging.root.removeHandler(handler)
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        sys.argv = [str(script), *args]
+        runpy.run_path(str(script), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def sigterm_trial(out: Path, marker: str, delay: float, script: Path = SCRIPT,
+                  args: list[str] = FAST) -> tuple[int | None, str, bool]:
+    """Train (forked, one process), and SIGTERM the whole process group `delay` s after the line
+    containing `marker` appears. Returns (exit status, output, whether any process of the group
+    was still alive 1 s after the training process exited)."""
+    read_fd, write_fd = os.pipe()
+    with reserved_port() as port:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            _trial_process(script, ["--out", str(out), *args], port, write_fd)
+    os.close(write_fd)
+    try:
+        os.setpgid(pid, pid)  # (the child does it too: whichever runs first)
+    except OSError:
+        pass
+    output, buffer, sent, status = [], b"", False, None
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([read_fd], [], [], 0.5)
+            if ready:
+                chunk = os.read(read_fd, 65536)
+                if not chunk:
+                    break
+                buffer += chunk
+                if not sent and marker.encode() in buffer:
+                    time.sleep(delay)
+                    os.killpg(pid, signal.SIGTERM)
+                    sent = True
+        done, raw = os.waitpid(pid, 0 if time.monotonic() < deadline else os.WNOHANG)
+        status = os.waitstatus_to_exitcode(raw) if done else None
+        lingering = False
+        until = time.monotonic() + 1.0
+        while True:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > until:
+                lingering = True
+                break
+            time.sleep(0.02)
+    finally:
+        os.close(read_fd)
+        try:
+            os.killpg(pid, signal.SIGKILL)  # whatever is left (nothing, when the template is right)
+        except ProcessLookupError:
+            pass
+        if status is None:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    output.append(buffer.decode(errors="replace"))
+    return status, "".join(output) + ("" if sent else f"\n(marker {marker!r} never printed)"), lingering
+
+
+def test_sigterm_at_any_moment_saves_and_leaves_no_worker_behind(tmp_path):
+    """SIGTERM to every process (as Slurm sends it) at 20 moments drawn from a fixed seed across the
+    phases of training: at the start (while the first loader workers fork), at epoch boundaries
+    (checkpoint, new workers), mid-epoch and during validation. Every time, the run saves a
+    checkpoint and exits 0, no process died of the signal, and no loader worker outlives the
+    training process (a worker ignores SIGTERM, so one left behind lingers for seconds)."""
+    rng = random.Random(34)
+    names = list(PHASES)
+    trials = [(names[i % len(names)], rng.uniform(0, 0.04)) for i in range(20)]
+    rng.shuffle(trials)
+    failures = []
+    for i, (phase, delay) in enumerate(trials):
+        out = tmp_path / f"trial{i}"
+        status, log, lingering = sigterm_trial(out, PHASES[phase], delay)
+        saved = sorted(out.glob("checkpoint-*.pt"))
+        problem = ("exit status %s" % status if status != 0 else
+                   "no 'SIGTERM: saved'" if "SIGTERM: saved" not in log else
+                   "a traceback" if "Traceback" in log else
+                   "no checkpoint" if not saved else
+                   "a loader worker outlived the training process" if lingering else
+                   "finished instead of stopping" if (out / "result.json").exists() else None)
+        if problem:
+            failures.append(f"trial {i} ({phase}, +{delay * 1000:.0f} ms): {problem}\n{log[-2500:]}")
+        no_temporary_files(out)
+    assert not failures, f"{len(failures)} of {len(trials)} trials failed:\n" + "\n".join(failures[:3])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nccl, autocast on the GPU)")
