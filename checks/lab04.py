@@ -133,6 +133,8 @@ def check_exchange(checks: Checks, device: torch.device) -> bool:
         checks.fail(mistake)
         return False
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size == 1:  # no neighbour: the ring makes no exchange (gloo and NCCL refuse a message to oneself)
+        return checks.expect(True, "")
     left = (rank - 1) % world_size
     outgoing = torch.arange(4, dtype=torch.float32, device=device) + 100 * rank
     incoming = torch.full((4,), -1.0, device=device)

@@ -385,8 +385,11 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
                 return False
             tried += 1
     checks.expect(True, "")
-    print0(f"hierarchical_all_reduce equals dist.all_reduce on {tried} cases ({len(layouts(world))} layouts of "
-           f"hosts x ranks per host, uneven sizes included) and sends only its shard across hosts")
+    shown = len(layouts(world))
+    traffic = (" and sends only its shard across hosts" if any(h > 1 and l > 1 for h, l in layouts(world))
+               else "")  # with one rank per host, or one host, there is no shard to send
+    print0(f"hierarchical_all_reduce equals dist.all_reduce on {tried} cases ({shown} layout{'s' * (shown > 1)} of "
+           f"hosts x ranks per host, uneven sizes included){traffic}")
     return True
 
 
@@ -417,8 +420,18 @@ def main(me: Rank, checks: Checks) -> None:
         check_training(checks, per_host, me.device)
 
 
+def hosts_do_not_divide(world_size: int) -> str | None:
+    """--ranks-per-host must cut the ranks into whole hosts (the lab's training uses that layout)."""
+    per_host = lab.ranks_per_host(world_size)
+    if per_host < 1 or world_size % per_host:
+        fits = [n for n in range(1, world_size + 1) if world_size % n == 0]
+        return (f"--ranks-per-host {per_host} does not cut {world_size} ranks into whole hosts: use "
+                f"--ranks-per-host {' or '.join(map(str, fits))}, or --nproc-per-node a multiple of {per_host}")
+    return None
+
+
 def run(**learner) -> None:
     """Check the lab's code: the lab file calls this with its functions and classes."""
     vars(lab).update(learner)
     # A short collective timeout: a collective that another rank never joins fails after 15 s.
-    run_lab(main, title="Lab 15 (hierarchy)", timeout=timedelta(seconds=15))
+    run_lab(main, title="Lab 15 (hierarchy)", refuse=hosts_do_not_divide, timeout=timedelta(seconds=15))

@@ -51,7 +51,7 @@ def run_for_learner(script: str, nproc: int, *args: str) -> int:
     for line in proc.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()
-        reported = reported or line.rstrip().endswith(("ranks PASS.", "and run again."))
+        reported = reported or line.rstrip().endswith(("PASS.", "PASSES.", "and run again."))
     code = proc.wait()
     errors.join()
     if not reported:

@@ -19,7 +19,7 @@ import traceback
 from contextlib import contextmanager, redirect_stdout
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 import torch.distributed as dist
 
@@ -153,15 +153,25 @@ def report(checks: Checks, title: str, timeout: timedelta = DEFAULT_TIMEOUT) -> 
         return EXIT_FAIL
     failing = [r for r, (count, failures) in enumerate(verdicts) if failures or count == 0]
     if checks.rank == 0:
-        print(f"\n== {title}: self-check on {len(verdicts)} ranks ==")
+        print(f"\n== {title}: self-check on {ranks_count(len(verdicts))} ==")
         for line in verdict_lines(verdicts):
             print(line)
         if failing:
-            print(f"{len(failing)} of {len(verdicts)} ranks FAIL: fix the first message above and run again.")
+            print(f"{len(failing)} of {ranks_count(len(verdicts))} FAIL: fix the first message above and run again.")
         else:
-            print(f"All {len(verdicts)} ranks PASS.")
+            print(pass_line(len(verdicts)))
         flush()
     return EXIT_FAIL if failing else EXIT_PASS
+
+
+def ranks_count(n: int) -> str:
+    """1 -> "1 rank"; 4 -> "4 ranks"."""
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def pass_line(n: int) -> str:
+    """The last line of a lab that passed on n ranks ("All 4 ranks PASS.", "The 1 rank PASSES.")."""
+    return "The 1 rank PASSES." if n == 1 else f"All {n} ranks PASS."
 
 
 def ranks_label(ranks: list[int]) -> str:
@@ -192,10 +202,15 @@ def verdict_lines(verdicts: list[tuple[int, list[str]]]) -> list[str]:
     return [f"{ranks_label(ranks)}: {verdict}" for verdict, ranks in shared.items()]
 
 
+def refusal(title: str, world_size: int, why: str) -> str:
+    """The one line a lab prints when it cannot check this world size (tests look for "cannot check")."""
+    return f"{title} cannot check {ranks_count(world_size)}: {why}"
+
+
 def run_lab(
     main: Callable[..., None],
     title: str,
-    world_sizes: Iterable[int] | None = None,
+    refuse: Callable[[int], str | None] | None = None,
     init: bool = True,
     timeout: timedelta = DEFAULT_TIMEOUT,
 ) -> NoReturn:
@@ -203,14 +218,14 @@ def run_lab(
 
     init=True (the usual case): run_lab joins the group and calls main(me, checks), `me` being
     this process's Rank. init=False leaves joining the group to the lab (when that is the lesson)
-    and calls main(checks)."""
+    and calls main(checks). `refuse(world_size)` says why the check cannot tell right from wrong
+    at that world size (None where it can): the lab then stops before it starts, with that reason."""
     require_torchrun(sys.argv[0])
     rank, world_size, _ = identity_from_env()
-    allowed = sorted(world_sizes) if world_sizes is not None else None
-    if allowed is not None and world_size not in allowed:
+    why = refuse(world_size) if refuse is not None else None
+    if why:
         if rank == 0:
-            print(f"{title} runs on {', '.join(map(str, allowed))} ranks, not {world_size}: "
-                  f"use --nproc-per-node {allowed[-1] if 4 not in allowed else 4}.", file=sys.stderr)
+            print(refusal(title, world_size, why), file=sys.stderr, flush=True)
         finish(EXIT_USAGE)
     checks = Checks(rank)
     try:

@@ -508,29 +508,33 @@ def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, e
 
 
 def fork_script(script: str | Path, nproc: int, *args: str, timeout: float = 120,
-                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+                env: dict[str, str] | None = None, nnodes: int = 1) -> subprocess.CompletedProcess:
     """Like `torchrun --standalone --nproc-per-node nproc script args`, by forking this process:
     every rank's output (rank 0 first), and status 1 if any rank failed (as torchrun does).
+    nnodes > 1: `nproc` ranks on each of `nnodes` simulated nodes, numbered as torchrun numbers a
+    multi-node job (RANK = node x nproc + LOCAL_RANK), so RANK and LOCAL_RANK differ from node 1 on.
 
     A torchrun launch costs one `import torch` per rank (about 2 s of CPU each); forked ranks start
     in milliseconds with the same variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), so the
     script cannot tell the difference. The caller must not have used OpenMP threads, CUDA, autograd
     or a process group before. Raises subprocess.TimeoutExpired if ranks still run after `timeout`."""
     with reserved_port() as port:
-        return _fork_script(script, nproc, args, timeout, env, port)
+        return _fork_script(script, nproc, args, timeout, env, port, nnodes)
 
 
-def _fork_script(script, nproc, args, timeout, env, port) -> subprocess.CompletedProcess:
+def _fork_script(script, per_node, args, timeout, env, port, nnodes=1) -> subprocess.CompletedProcess:
     workdir = tempfile.mkdtemp(prefix="ringside-fork-")
+    nproc = per_node * nnodes
     shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
-              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(per_node), "ROLE_WORLD_SIZE": str(nproc),
               "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
               "TORCHELASTIC_RUN_ID": "fork", "OMP_NUM_THREADS": "1", **(env or {})}
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
     for rank in range(nproc):
-        rank_env = dict(shared, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+        node, local = divmod(rank, per_node)
+        rank_env = dict(shared, RANK=str(rank), LOCAL_RANK=str(local), ROLE_RANK=str(rank), GROUP_RANK=str(node))
         pid = os.fork()
         if pid == 0:
             _script_rank(Path(script), list(map(str, args)), rank_env, f"{workdir}/{rank}.out", f"{workdir}/{rank}.err")

@@ -38,7 +38,8 @@ def send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> N
     """Send `outgoing` to rank + 1 and receive `incoming` from rank - 1 (both wrap around: the
     last rank's right neighbour is rank 0). Every rank calls this at the same moment, and both
     messages must be under way at once. Return only when `incoming` holds what the left neighbour
-    sent and `outgoing` may be changed again. Must work on gloo and on NCCL."""
+    sent and `outgoing` may be changed again. Must work on gloo and on NCCL. (On one rank there is
+    no neighbour, and the ring below never calls this: its loops run world_size - 1 = 0 times.)"""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     # HINT 1: a blocking send or recv on every rank at once deadlocks: post both operations before waiting on either. NCCL wants a send and a receive that run at the same time posted together, as one group: dist.batch_isend_irecv posts a list of dist.P2POp that way

@@ -28,12 +28,12 @@ LAUNCH_TIMEOUT = 240
 
 
 def launch(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT,
-           env: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
+           env: dict | None = None, torchrun: bool = False, nnodes: int = 1) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` ranks; every rank's output, bounded by a timeout.
 
     By default the ranks are forked from this process (ringside.launch.fork_script: the same
     environment as torchrun gives, without importing torch again per rank); torchrun=True uses the
-    real torchrun."""
+    real torchrun. nnodes > 1: `nproc` ranks on each of that many simulated nodes (forked only)."""
     from ringside.launch import fork_script, torchrun_script
 
     if Path(script).stem == "11_capstone" and "--out" not in args:
@@ -42,7 +42,7 @@ def launch(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT
         args = (*args, "--out", tempfile.mkdtemp(prefix="capstone-"))
     try:
         if not torchrun:
-            return fork_script(script, nproc, *args, timeout=timeout, env=env)
+            return fork_script(script, nproc, *args, timeout=timeout, env=env, nnodes=nnodes)
         return torchrun_script(script, nproc, *args, all_ranks=True, env=env, check=False, show=False,
                                timeout=timeout)
     except subprocess.TimeoutExpired as expired:

@@ -50,12 +50,20 @@ def test_a_deadlock_becomes_a_likely_deadlock_verdict(tmp_path):
     assert "2 of 2 ranks FAIL" in result.stdout
 
 
-def test_a_wrong_world_size_is_refused(tmp_path):
+def test_a_world_size_the_check_cannot_tell_is_refused_with_its_reason(tmp_path):
     path = lab(tmp_path, "def main(me, checks):\n    checks.expect(True, '')\n",
-               'run_lab(main, title="probe", world_sizes=[3, 4])')
-    result = launch(path, 2)
+               'run_lab(main, title="probe", refuse=lambda n: "a reason: run on 3" if n < 3 else None)')
+    result = launch(path, 1)
     assert result.returncode != 0  # the ranks exit 2; torchrun itself reports any failure as 1
-    assert "probe runs on 3, 4 ranks, not 2" in result.stderr
+    assert result.stderr.strip() == "probe cannot check 1 rank: a reason: run on 3"
+    assert launch(path, 3).returncode == 0
+
+
+def test_one_rank_is_one_rank(tmp_path):
+    path = lab(tmp_path, "def main(me, checks):\n    checks.expect(True, '')\n", 'run_lab(main, title="probe")')
+    result = launch(path, 1)
+    assert result.returncode == 0
+    assert "self-check on 1 rank ==" in result.stdout and "The 1 rank PASSES." in result.stdout
 
 
 def test_a_lab_that_checks_nothing_fails(tmp_path):

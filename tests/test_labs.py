@@ -8,10 +8,10 @@ import sys
 import pytest
 from conftest import ROOT, launch, solutions, stem_ids
 
-from mutation import nprocs, slow
+from mutation import nprocs, refuses, slow, two_nodes
 
+from ringside.lab import pass_line, ranks_label
 from tools.labgen import expected_labs
-
 
 
 def nproc_cases():
@@ -28,19 +28,49 @@ def test_solution_passes(solution, nproc):
     result = launch(solution, nproc)
     out = result.stdout + result.stderr
     assert result.returncode == 0, f"{solution.name} failed on {nproc} ranks:\n{out[-4000:]}"
-    assert f"All {nproc} ranks PASS." in result.stdout
-    assert f"ranks 0-{nproc - 1}: PASS (" in result.stdout and "FAIL" not in result.stdout
+    assert pass_line(nproc) in result.stdout
+    assert f"{ranks_label(list(range(nproc)))}: PASS (" in result.stdout and "FAIL" not in result.stdout
+
+
+@pytest.mark.parametrize("solution", [s for s in solutions() if two_nodes(s.stem)], ids=lambda p: p.stem)
+def test_solution_passes_on_two_nodes(solution):
+    """2 nodes x 2 ranks, numbered as torchrun numbers them: ranks 2 and 3 have LOCAL_RANK 0 and 1,
+    so code that takes the global rank for the local one (a device index, once-per-node work) or
+    works on rank 0 only is run where it differs."""
+    result = launch(solution, 2, nnodes=2)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, f"{solution.name} failed on 2 nodes x 2 ranks:\n{out[-4000:]}"
+    assert pass_line(4) in result.stdout
+
+
+def refusal_cases():
+    for path in solutions():
+        for nproc in refuses(path.stem):
+            yield pytest.param(path, nproc, (), id=f"{path.stem}-{nproc}ranks")
+    yield pytest.param(ROOT / "solutions" / "15_hierarchy.py", 3, ("--ranks-per-host", "2"),
+                       id="15_hierarchy-3ranks-2per_host")
+
+
+@pytest.mark.parametrize("solution, nproc, args", list(refusal_cases()))
+def test_a_size_the_check_cannot_tell_is_refused_in_one_line(solution, nproc, args):
+    """Refused before anything runs, in one line that says why and what to run instead; never a
+    PASS that proves nothing (lab 10 at 1 rank) nor the learner's own error as a FAIL."""
+    result = launch(solution, nproc, *args)
+    assert result.returncode != 0
+    said = result.stderr.strip().splitlines()
+    assert len(said) == 1 and " cannot check " in said[0] and "use --" in said[0], result.stderr[-2000:]
+    assert "PASS" not in result.stdout and "FAIL" not in result.stdout
 
 
 @pytest.mark.parametrize("solution", solutions(), ids=stem_ids(solutions()))
-def test_lab_stub_fails_with_its_todo(solution):
+def test_lab_stub_fails_with_its_todo(solution):  # at the smallest size it accepts
     lab = ROOT / "labs" / solution.name
     first_todo = next(line.split("# TODO: ", 1)[1] for line in lab.read_text().splitlines() if "# TODO: " in line)
     nproc = nprocs(solution.stem)[0]
     result = launch(lab, nproc)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"FAIL - unfinished - TODO: {first_todo}" in result.stdout
-    assert "ranks FAIL" in result.stdout
+    assert " FAIL: fix the first message above" in result.stdout
 
 
 def test_every_lab_is_generated_from_its_solution():

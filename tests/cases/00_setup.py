@@ -40,3 +40,5 @@ MUTATIONS = [
              "    return dist.all_reduce(mine, op=dist.ReduceOp.SUM)\n",
              "returned None"),
 ]
+
+NODES = True  # LOCAL_RANK and the rank's device

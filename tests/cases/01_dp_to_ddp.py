@@ -98,3 +98,5 @@ MUTATIONS = [
              '        if device.index == 0:\n            print(f"epoch {epoch}: loss {total / batches:.4f}")\n',
              "the print's condition must hold on rank 0", 2),
 ]
+
+NODES = True  # LOCAL_RANK and the rank's device

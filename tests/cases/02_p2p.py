@@ -99,7 +99,8 @@ MUTATIONS = [
              halo(SEND_RIGHT, RECV_LEFT, SEND_LEFT, RECV_RIGHT.replace("right)", "left)")),
              "the exchange would wait for ever", 3),
 ]
-NPROCS = (2, 3, 4)
+NPROCS = (2, 3, 4, 5)
+REFUSES = (1,)  # a ring of one rank has no neighbour
 
 # Right code written otherwise: the check must pass it (found by trying it as a learner might).
 CORRECT = [

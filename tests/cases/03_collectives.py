@@ -71,7 +71,6 @@ MUTATIONS = [
              "        dist.recv(tensor_list[recv_slot], src=left)\n",
              "likely a deadlock", 2),
 ]
-NPROCS = (2, 4)
 
 CORRECT = [
     # A binomial tree (log2 N rounds, receivers pass the tensor on) is a right broadcast: the hints

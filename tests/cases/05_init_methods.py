@@ -44,3 +44,6 @@ MUTATIONS += [
     Mutation("timeout 0 accepted", "if args.timeout <= 0:", "if args.timeout < 0:",
              "a timeout of 0 s was accepted", 2),
 ]
+
+NPROCS = (1, 2, 3, 4)  # each run waits out timeouts: 5 ranks adds 15 s and nothing new
+NODES = True  # RANK, not LOCAL_RANK, is the rank in the group

@@ -66,3 +66,5 @@ if not torch.cuda.is_available():  # where GPUs exist this is the right answer
     MUTATIONS.append(Mutation("fork_rng given the CPU device", "    with torch.random.fork_rng(devices=rank_devices):\n",
                               "    with torch.random.fork_rng(devices=[device]):\n",
                               "build_model reached for a GPU on a CPU-only rank", 2))
+
+NODES = True  # LOCAL_RANK and the rank's device

@@ -62,3 +62,7 @@ MUTATIONS = [
              "            real = positions < n_samples\n",
              "no sample was counted as real on any rank", 3),
 ]
+
+NPROCS = (2, 3, 4, 5)
+REFUSES = (1,)  # at one rank the classic mistakes give the right answer
+NODES = True  # rank-0 work

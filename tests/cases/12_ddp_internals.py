@@ -3,7 +3,6 @@ check must name."""
 
 from mutation import Mutation, Variant
 
-NPROCS = (2, 4)
 
 CORRECT = [
     # REVIEW F: rejected as "0 all-reduces ... with sync on again" (the recorder saw dist.all_reduce only)

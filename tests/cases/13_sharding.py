@@ -118,7 +118,6 @@ MUTATIONS = [
              "[self.start:self.stop]\n", "do not slice it again", 3),
 ]
 
-NPROCS = (2, 3, 4)
 
 # Right code written otherwise: the check must pass it (found by trying it as a learner might).
 CORRECT = [

@@ -80,4 +80,5 @@ MUTATIONS = [
              '"cause": ""},',
              "say in a sentence why it fails", 2),
 ]
-NPROCS = (2, 4)
+NPROCS = (2, 3, 4)
+REFUSES = (1, 5)  # one rank has no one to part ways with; diagnoses are written for 2-4

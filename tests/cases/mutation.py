@@ -5,7 +5,10 @@ Each chapter has a file tests/cases/NN_slug.py with
                           words the diagnosis must contain, number of ranks), ...]
     CORRECT = [Variant(what is different, text in the solution, what replaces it, number of ranks)]
                         # optional: right answers written otherwise, which the check must pass
-    NPROCS = (2, 4)     # optional: the rank counts its solution is tested at
+    NPROCS = (2, 4)     # optional: the rank counts its solution must pass at (default 1 to 5)
+    REFUSES = (1,)      # optional: rank counts its check cannot tell right from wrong: it must refuse them
+    NODES = True        # optional: it reads LOCAL_RANK, picks a device or works on rank 0 only: run it
+                        # at 2 nodes x 2 ranks too (RANK != LOCAL_RANK)
     ARGS = ("--epochs", "2")  # optional: arguments for every mutated run (a shorter one, say)
     SLOW = True         # optional: its runs are long (training, timeouts): make test starts them first
 The original text must occur exactly once in the solution.
@@ -56,7 +59,15 @@ def variants() -> dict[str, list[Variant]]:
 
 def nprocs(stem: str) -> tuple[int, ...]:
     module = chapter_cases().get(stem)
-    return tuple(getattr(module, "NPROCS", (2, 4)))
+    return tuple(getattr(module, "NPROCS", (1, 2, 3, 4, 5)))
+
+
+def refuses(stem: str) -> tuple[int, ...]:
+    return tuple(getattr(chapter_cases().get(stem), "REFUSES", ()))
+
+
+def two_nodes(stem: str) -> bool:
+    return bool(getattr(chapter_cases().get(stem), "NODES", False))
 
 
 def slow(stem: str) -> bool:
