@@ -175,6 +175,12 @@ def main(checks: Checks) -> None:
     port, path = where
     dist.destroy_process_group()
     ranks = ["--rank", os.environ["RANK"], "--world-size", os.environ["WORLD_SIZE"]]
+    # torchrun sets TORCHELASTIC_USE_AGENT_STORE=True for env://: its agent already serves the store at
+    # MASTER_ADDR:MASTER_PORT. torch 2.11 applies it to a tcp:// address too, and makes every rank a
+    # client of a store that nobody serves (torch/distributed/rendezvous.py, _create_c10d_store), so
+    # the group times out; torch 2.14 applies it only to the agent's own address (_agent_store_serves).
+    # The variable belongs to env://: the tcp:// and file:// groups below are formed without it.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
 
     # 2. tcp://: rank 0 starts a TCPStore on the port, the others connect to it
     settings = lab.init_from_args(["--init-method", f"tcp://127.0.0.1:{port}", *ranks])

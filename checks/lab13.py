@@ -165,14 +165,14 @@ def check_average(checks: Checks, me: Rank) -> bool:
     expected = everyones.mean(dim=0)[me.rank * size:(me.rank + 1) * size]
     names = [name for name, _ in calls]
     if "all_reduce" in names:
-        extra = ring_bytes_sent(calls, me.world_size) - ring_bytes_sent([("reduce_scatter_single", n * 4)], me.world_size)
+        extra = ring_bytes_sent(calls, me.world_size) - ring_bytes_sent([("reduce_scatter_tensor", n * 4)], me.world_size)
         checks.fail(f"average_grad_shard called all_reduce: it sends 2(N-1)/N of the gradient from each rank "
                     f"({extra:.0f} bytes more here than one reduce-scatter) and leaves every rank the whole "
                     f"average - ZeRO uses reduce-scatter, so each rank receives only the shard it updates")
         return False
     if not any(name.startswith("reduce_scatter") for name in names):
         checks.fail(f"average_grad_shard made no reduce-scatter (calls seen: {names or 'none'}): every rank must "
-                    f"receive the average of its own shard of the gradient - dist.reduce_scatter_single")
+                    f"receive the average of its own shard of the gradient - dist.reduce_scatter_tensor")
         return False
     if shard.shape != expected.shape:
         return checks.expect(False, f"average_grad_shard returned {tuple(shard.shape)} elements, expected this rank's "
@@ -308,7 +308,7 @@ def check_gather(checks: Checks, me: Rank) -> bool:
     if not any(name.startswith("all_gather") for name, _ in calls):
         return checks.expect(False, f"gather_params made no all-gather (calls seen: {[n for n, _ in calls] or 'none'}): "
                                     f"each rank updated only its own shard, the others stay stale - all-gather "
-                                    f"the updated shards (dist.all_gather_single)")
+                                    f"the updated shards (dist.all_gather_into_tensor)")
     if torch.equal(got, expected):
         return checks.expect(True, "")
     if torch.equal(got[-19:], torch.cat([expected, expected])[-19 - (size * me.world_size - 19):][:19]):

@@ -27,6 +27,13 @@ in the top-level folder tools/.
 
 import os
 import sys
+import warnings
+
+# torch 2.14 renamed dist.reduce_scatter_tensor and dist.all_gather_into_tensor to *_single and warns
+# on every rank at each call of the old names; torch 2.11 has only the old names. The course calls
+# the old ones, which every torch it supports has, and silences just that warning.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                        r"is deprecated", category=FutureWarning)
 
 # Ask NVML, not the CUDA driver, whether GPUs exist: the driver must not be initialized in a
 # process (a Jupyter kernel) that later forks ranks.

@@ -67,11 +67,11 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
 def average_grad_shard(flat_grad: torch.Tensor) -> torch.Tensor:
     """This rank's shard of the gradient averaged over all ranks. `flat_grad` is this rank's whole
     (padded) gradient; every rank passes one of the same length. Each rank receives only its own shard."""
-    # HINT 1: one collective does both the sum and the split: dist.reduce_scatter_single(output, input, op=...).
+    # HINT 1: one collective does both the sum and the split: dist.reduce_scatter_tensor(output, input, op=...) (torch 2.14 also names it reduce_scatter_single).
     # HINT 2: output = torch.empty(flat_grad.numel() // world_size) on flat_grad's device; op=dist.ReduceOp.AVG.
     # BEGIN SOLUTION: return this rank's shard of the average over all ranks of flat_grad, with one collective that delivers to each rank its own shard only
     shard = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size())
-    dist.reduce_scatter_single(shard, flat_grad, op=dist.ReduceOp.AVG)
+    dist.reduce_scatter_tensor(shard, flat_grad, op=dist.ReduceOp.AVG)
     return shard
     # END SOLUTION
 
@@ -96,11 +96,11 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 def gather_params(shard: torch.Tensor, params: list[nn.Parameter]) -> None:
     """Every rank sends its updated `shard`, receives everyone's, and writes the whole vector into
     `params`, in order: the padding at the end belongs to no parameter."""
-    # HINT 1: dist.all_gather_single(full, shard) fills `full` (world_size x shard elements) with every rank's shard.
+    # HINT 1: dist.all_gather_into_tensor(full, shard) (all_gather_single in torch 2.14) fills `full` (world_size x shard elements) with every rank's shard.
     # HINT 2: keep full[:total], split it by the parameters' numel(), and copy_ each piece (view_as the parameter).
     # BEGIN SOLUTION: write every rank's updated shard into `params`, on every rank: each element takes its value from the rank whose shard holds it
     full = shard.new_empty(shard.numel() * dist.get_world_size())
-    dist.all_gather_single(full, shard)
+    dist.all_gather_into_tensor(full, shard)
     total = sum(p.numel() for p in params)
     for p, new in zip(params, full[:total].split([p.numel() for p in params])):
         p.copy_(new.view_as(p))

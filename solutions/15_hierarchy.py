@@ -78,12 +78,12 @@ def hierarchical_all_reduce(tensor: torch.Tensor, host_group, peer_group) -> tor
     padded[:flat.numel()] = flat
     # END SOLUTION
     # HINT 1: three collectives: the host sums and splits (each rank keeps one summed shard), each shard is summed across hosts among peers (they hold the same shard index), the host puts the shards back together
-    # HINT 2: dist.reduce_scatter_single(mine, padded, group=host_group); dist.all_reduce(mine, group=peer_group); dist.all_gather_single(padded, mine, group=host_group), with mine = torch.empty(shard, ...)
+    # HINT 2: dist.reduce_scatter_tensor(mine, padded, group=host_group); dist.all_reduce(mine, group=peer_group); dist.all_gather_into_tensor(padded, mine, group=host_group), with mine = torch.empty(shard, ...)
     # BEGIN SOLUTION: leave in `padded` the sum over all ranks, sending across hosts (peer_group) only this rank's shard
     mine = torch.empty(shard, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_single(mine, padded, group=host_group)  # fast link: the host's sum, one shard each
+    dist.reduce_scatter_tensor(mine, padded, group=host_group)  # fast link: the host's sum, one shard each
     dist.all_reduce(mine, group=peer_group)  # slow link: 1/local of the tensor per rank
-    dist.all_gather_single(padded, mine, group=host_group)  # fast link: every shard on every rank
+    dist.all_gather_into_tensor(padded, mine, group=host_group)  # fast link: every shard on every rank
     # END SOLUTION
     # HINT 1: the caller keeps `tensor`: the sum must land in it, without the padding
     # BEGIN SOLUTION: copy the sum (without the padding) into `tensor` itself

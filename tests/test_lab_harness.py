@@ -90,7 +90,7 @@ def raise_each_known_error(rank, world_size):
     from ringside.lab import explain
 
     attempts = [  # in the order of KNOWN_CAUSES (its DataLoader entry is no collective: lab 11 plants it)
-        lambda: dist.reduce_scatter_single(torch.zeros(1), torch.ones(2, dtype=torch.float64)),
+        lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.ones(2, dtype=torch.float64)),
         lambda: dist.all_reduce(3.0),
         lambda: dist.all_gather([torch.zeros(2)], torch.ones(2)),
         lambda: dist.all_gather_into_tensor(torch.zeros(3), torch.ones(2)),

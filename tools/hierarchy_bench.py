@@ -142,11 +142,11 @@ def worker(opts) -> None:
         methods = {
             "flat": lambda: dist.all_reduce(tensor),
             "hierarchical": lambda: lab.hierarchical_all_reduce(tensor, host_group, peer_group),
-            "phase_reduce_scatter": lambda: dist.reduce_scatter_single(shard, tensor, group=host_group),
+            "phase_reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, tensor, group=host_group),
             "phase_all_reduce": lambda: dist.all_reduce(shard, group=peer_group),
-            "phase_all_gather": lambda: dist.all_gather_single(tensor, shard, group=host_group),
-            "world_reduce_scatter": lambda: dist.reduce_scatter_single(world_shard, tensor),
-            "world_all_gather": lambda: dist.all_gather_single(tensor, world_shard),
+            "phase_all_gather": lambda: dist.all_gather_into_tensor(tensor, shard, group=host_group),
+            "world_reduce_scatter": lambda: dist.reduce_scatter_tensor(world_shard, tensor),
+            "world_all_gather": lambda: dist.all_gather_into_tensor(tensor, world_shard),
         }
         for name, fn in methods.items():
             seconds, sent = timed(fn, opts.reps)

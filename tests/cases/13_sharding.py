@@ -13,13 +13,13 @@ MUTATIONS = [
              "wrong shard for this rank", 2),
     Mutation("all_reduce where reduce_scatter belongs",
              "    shard = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size())\n"
-             "    dist.reduce_scatter_single(shard, flat_grad, op=dist.ReduceOp.AVG)\n",
+             "    dist.reduce_scatter_tensor(shard, flat_grad, op=dist.ReduceOp.AVG)\n",
              "    full = flat_grad.clone()\n    dist.all_reduce(full, op=dist.ReduceOp.AVG)\n"
              "    n = full.numel() // dist.get_world_size()\n"
              "    shard = full[dist.get_rank() * n:(dist.get_rank() + 1) * n]\n",
              "average_grad_shard called all_reduce", 3),
-    Mutation("gradients summed, not averaged", "dist.reduce_scatter_single(shard, flat_grad, op=dist.ReduceOp.AVG)",
-             "dist.reduce_scatter_single(shard, flat_grad, op=dist.ReduceOp.SUM)",
+    Mutation("gradients summed, not averaged", "dist.reduce_scatter_tensor(shard, flat_grad, op=dist.ReduceOp.AVG)",
+             "dist.reduce_scatter_tensor(shard, flat_grad, op=dist.ReduceOp.SUM)",
              "it is the sum - average it", 3),
     Mutation("gradients averaged twice", "    return shard\n", "    return shard / dist.get_world_size()\n",
              "averaged twice", 2),
@@ -38,7 +38,7 @@ MUTATIONS = [
              "self.exp_avg_sq, self.steps, self.lr,", "self.exp_avg_sq, 1, self.lr,",
              "does the bias correction use the right step count", 3),
     Mutation("no all_gather (each rank keeps only its own update)",
-             "    dist.all_gather_single(full, shard)\n",
+             "    dist.all_gather_into_tensor(full, shard)\n",
              "    rank, n = dist.get_rank(), shard.numel()\n"
              "    full = flatten_padded(params, dist.get_world_size())\n    full[rank * n:(rank + 1) * n] = shard\n",
              "gather_params made no all-gather", 3),

@@ -1,5 +1,7 @@
 """Chapter 15: the mistakes its check must name."""
 
+import torch.distributed as dist
+
 from mutation import Mutation, Variant
 
 HOSTS = "    hosts = [list(range(h * ranks_per_host, (h + 1) * ranks_per_host)) for h in range(world_size // ranks_per_host)]\n"
@@ -7,9 +9,9 @@ PEERS = "    peers = [list(range(i, world_size, ranks_per_host)) for i in range(
 GROUPS = ("    host_groups = [dist.new_group(ranks) for ranks in hosts]\n"
           "    peer_groups = [dist.new_group(ranks) for ranks in peers]\n")
 RETURN_GROUPS = "    return host_groups[rank // ranks_per_host], peer_groups[rank % ranks_per_host]\n"
-SCATTER = "    dist.reduce_scatter_single(mine, padded, group=host_group)  # fast link: the host's sum, one shard each\n"
+SCATTER = "    dist.reduce_scatter_tensor(mine, padded, group=host_group)  # fast link: the host's sum, one shard each\n"
 ACROSS = "    dist.all_reduce(mine, group=peer_group)  # slow link: 1/local of the tensor per rank\n"
-GATHER = "    dist.all_gather_single(padded, mine, group=host_group)  # fast link: every shard on every rank\n"
+GATHER = "    dist.all_gather_into_tensor(padded, mine, group=host_group)  # fast link: every shard on every rank\n"
 
 MUTATIONS = [
     Mutation("hosts strided like peers", HOSTS,
@@ -75,7 +77,11 @@ CORRECT = [
             "    mine_host, _ = dist.new_subgroups_by_enumeration(hosts)\n"
             "    mine_peers, _ = dist.new_subgroups_by_enumeration(peers)\n"
             "    return mine_host, mine_peers\n", 4),
-    Variant("the older tensor collectives", SCATTER + ACROSS + GATHER,
-            "    dist.reduce_scatter_tensor(mine, padded, group=host_group)\n" + ACROSS
-            + "    dist.all_gather_into_tensor(padded, mine, group=host_group)\n", 4),
+    Variant("the list collectives", SCATTER + ACROSS + GATHER,
+            "    dist.reduce_scatter(mine, list(padded.chunk(local)), group=host_group)\n" + ACROSS
+            + "    dist.all_gather(list(padded.chunk(local)), mine, group=host_group)\n", 4),
 ]
+if hasattr(dist, "reduce_scatter_single"):  # torch 2.14's names for the same two collectives
+    CORRECT.append(Variant("torch 2.14's *_single names", SCATTER + ACROSS + GATHER,
+                           "    dist.reduce_scatter_single(mine, padded, group=host_group)\n" + ACROSS
+                           + "    dist.all_gather_single(padded, mine, group=host_group)\n", 4))
