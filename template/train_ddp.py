@@ -656,6 +656,9 @@ def main() -> None:
                 stop_work.wait()
                 if stop_votes.item() > 0:  # some rank got SIGTERM before the step before this one
                     saved_to = save_checkpoint()
+                    # No rank exits before rank 0 has written: an exit ends that rank's torchrun,
+                    # and under `srun --kill-on-bad-exit` the whole step with it.
+                    dist.barrier()
                     log.info("SIGTERM: saved %s at step %d; run the same command to resume", saved_to, step)
                     stopped = True
                     break
