@@ -43,6 +43,18 @@ def test_solution_passes_on_two_nodes(solution):
     assert pass_line(4) in result.stdout
 
 
+@pytest.mark.slow
+def test_lab_00_under_two_real_torchrun_agents():
+    """The forked two-node runs above number ranks as torchrun does; here two real torchrun agents
+    meet at a c10d rendezvous, as on two machines (chapter 05), and lab 00 checks each rank's LOCAL_RANK."""
+    from ringside.rendezvous import simulate_nodes
+
+    nodes = simulate_nodes(ROOT / "solutions" / "00_setup.py", nnodes=2, nproc=2, timeout=180)
+    out = "".join(node.stdout + node.stderr for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0], out[-4000:]
+    assert pass_line(4) in out
+
+
 def refusal_cases():
     for path in solutions():
         for nproc in refuses(path.stem):
