@@ -24,13 +24,28 @@ help: ## list the targets
 	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 22
 
-setup: $(VENV)/.ready ## create .venv with the pinned packages (quick when done already)
+# Which torch: the pinned one (requirements.txt) unless
+#   TORCH=system       the torch and torchvision that PYTHON already has (a GPU box, a cluster's module):
+#                      .venv, made by that Python, finds them there and gets only the rest of requirements.txt;
+#   TORCH_PINS="..."   these instead of the pinned pair (make test-oldest-torch: torch 2.11).
+# Either way the torch must be in the supported range (tools/torch_range.py), or setup stops and says so.
+# Switching an existing .venv: rm -rf .venv first.
+PYTHON ?= python3
+TORCH  ?= pinned
+TORCH_PINS ?=
+setup: $(VENV)/.ready ## create .venv with the pinned packages (quick when done already; TORCH=system: use PYTHON's torch)
 
 $(VENV)/.ready: requirements.txt pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) -r requirements.txt
+	@test "$(TORCH)" = pinned -o "$(TORCH)" = system || { echo "TORCH=$(TORCH): say TORCH=system (the torch PYTHON has) or leave it out (the pinned one)"; exit 2; }
+	@if [ "$(TORCH)" = system ]; then $(PYTHON) -m tools.torch_range || exit 1; fi
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# TORCH=system: the folders that hold PYTHON's torch and torchvision join .venv's path (a .pth file)
+	@if [ "$(TORCH)" = system ]; then $(PYTHON) -c "import os, torch, torchvision; print(*sorted({os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, torchvision)}), sep='\n')" \
+	    > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/system-torch.pth"; fi
+	grep -v -E '^torch(vision)?==' requirements.txt > $(VENV)/requirements-rest.txt
+	$(PIP) -r $(VENV)/requirements-rest.txt $(if $(filter system,$(TORCH)),,$(or $(TORCH_PINS),$(shell grep -E '^torch(vision)?==' requirements.txt)))
 	$(PIP) --no-deps --no-build-isolation -e .
-	$(PY) -c "import ringside, torch, torchvision, nbval; print('ringside is ready: torch', torch.__version__)"
+	$(PY) -m tools.torch_range
 	touch $@
 
 lab: setup ## run your lab:       make lab CH=01 NPROC=4
@@ -134,6 +149,12 @@ cluster-overlap: setup ## (root) chapter 12: a DDP step with and without overlap
 .PHONY: cluster-hierarchy
 cluster-hierarchy: setup ## (root) chapter 15: links, flat vs hierarchical all-reduce, DDP/FSDP/HSDP steps on 2 and 4 hosts x 2 ranks; writes assets/15_hierarchy/cluster.json
 	$(PY) -m tools.hierarchy_bench --rate $(RATE) --reps 7
+
+# The oldest torch the course supports, in a second environment beside .venv: the whole suite again.
+OLDEST_TORCH_PINS := torch==2.11.0 torchvision==0.26.0
+.PHONY: test-oldest-torch
+test-oldest-torch: ## every test again on the oldest supported torch (2.11), in .venv-torch2.11 (4 GB, minutes)
+	$(MAKE) --no-print-directory test VENV=.venv-torch2.11 TORCH_PINS="$(OLDEST_TORCH_PINS)"
 
 labs: setup ## regenerate labs/ from solutions/ (maintainers; overwrites labs/)
 	$(PY) -m tools.labgen
