@@ -17,7 +17,7 @@ Two machines, c10d rendezvous (the same command on both; survives a crashed rank
 Slurm: template/train_ddp.sbatch. On several machines --out must be a folder that every machine sees.
 
 Run the same command again and it resumes from the newest OUT/checkpoint-<step>.pt (a new --out starts
-afresh; changed settings are refused). `kill -TERM` (Slurm's preemption signal) saves a checkpoint
+afresh; changed settings are refused, another --epochs or --max-steps too unless --new-schedule). `kill -TERM` (Slurm's preemption signal) saves a checkpoint
 within two steps and exits.
 """
 
@@ -51,6 +51,7 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
+import zipfile  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -233,6 +234,7 @@ def save_atomic(obj, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _READABLE.add(path)
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -242,14 +244,53 @@ def checkpoints(out: Path) -> list[Path]:
 
 def newest_loadable_checkpoint(out: Path, device: torch.device) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads; one that does not (cut off by a full disk, say) is skipped
-    with a warning and the one before it is used."""
-    for path in checkpoints(out):
+    with a warning and the one before it is used. None when there is none at all; when there are
+    some but none loads, refuse (starting from step 0 would throw the run away silently)."""
+    found = checkpoints(out)
+    for path in found:
         try:
             return path, torch.load(path, map_location=device, weights_only=True)
         except Exception as error:  # noqa: BLE001 - any unreadable file: try the one before
             log.warning("%s cannot be read (%s: %s): trying the checkpoint before it", path,
                         type(error).__name__, str(error).splitlines()[0][:200])
+    if found:
+        raise CheckpointError(f"{out} has {len(found)} checkpoint(s) and none can be read: move them away "
+                              f"to start from step 0, or resume from a copy that reads")
     return None
+
+
+class CheckpointError(Exception):
+    """Checkpoints exist, but none can be read."""
+
+
+_READABLE: set[Path] = set()  # checkpoints this process wrote, or found readable once
+
+
+def readable(path: Path) -> bool:
+    """Whether a checkpoint file is whole: torch.save writes a zip archive, and every member's CRC
+    must match (reads the file, unpickles nothing). Remembered: each file is checked once."""
+    if path in _READABLE:
+        return True
+    try:
+        with zipfile.ZipFile(path) as archive:
+            whole = archive.testzip() is None
+    except (OSError, zipfile.BadZipFile):
+        whole = False
+    if whole:
+        _READABLE.add(path)
+    return whole
+
+
+def prune_checkpoints(out: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints that can be read; delete the others, unreadable ones too
+    (counting a cut-off file as kept would delete the good ones it replaced)."""
+    kept = 0
+    for path in checkpoints(out):
+        if kept < keep and readable(path):
+            kept += 1
+        else:
+            path.unlink(missing_ok=True)
+            _READABLE.discard(path)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -301,13 +342,33 @@ def write_metrics(path: Path, record: dict, board=None) -> None:
         board.flush()
 
 
-def tensorboard_writer(out: Path):
-    """A SummaryWriter on OUT/tensorboard where the tensorboard package is installed, else None."""
+def drop_rows_after(path: Path, step: int) -> None:
+    """Remove the rows of steps after `step` (written after the checkpoint a run resumes from: it
+    writes them again), so that metrics.jsonl has one row per step and kind."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut off by a crash mid-write
+            pass
+    if kept != lines:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+
+
+def tensorboard_writer(out: Path, purge_step: int | None = None):
+    """A SummaryWriter on OUT/tensorboard where the tensorboard package is installed, else None.
+    purge_step: TensorBoard hides the events at and after it from an earlier attempt."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch.utils.tensorboard needs `pip install tensorboard`
         return None
-    return SummaryWriter(str(out / "tensorboard"))
+    return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step or None)
 
 
 def settle_bucket_order(model: DDP, batch) -> None:
@@ -317,10 +378,12 @@ def settle_bucket_order(model: DDP, batch) -> None:
     That moves gradients to other places in the all-reduce, and with 3 or more ranks the sums then
     round differently in the last bit: a resumed run would drift from an uninterrupted one. Doing it
     here, in every run, makes every real step use the same buckets. (eval(): BatchNorm's running
-    statistics stay as they are and dropout draws nothing.)"""
+    statistics stay as they are and dropout draws nothing. cuDNN off for this pass: cuDNN's GRU and
+    LSTM refuse a backward in eval mode; PyTorch's own kernels do it.)"""
     inputs, targets = to_device(split_batch(batch), next(model.parameters()).device)
     model.eval()
-    loss_fn(model(inputs), targets).backward()
+    with torch.backends.cudnn.flags(enabled=False):
+        loss_fn(model(inputs), targets).backward()
     model.zero_grad(set_to_none=True)
     model.train()
 
@@ -347,6 +410,11 @@ def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, devic
     DDP wrapper: ranks may run different numbers of batches, and DDP's forward talks to the others."""
     was_training = net.training
     net.eval()
+    # Rank 0's buffers (BatchNorm's running statistics) on every rank, as DDP's forward uses them
+    # (broadcast_buffers) and as final.pt holds them: each rank's own would make the result depend on
+    # the number of processes. (Training is unchanged: DDP broadcasts them again at its next forward.)
+    for buffer in net.buffers():
+        dist.broadcast(buffer, 0)
     mine = Subset(val_set, range(rank, len(val_set), world_size))
     loader = DataLoader(mine, batch_size=args.batch_size, num_workers=0, pin_memory=device.type == "cuda",
                         generator=torch.Generator())  # its own: iterating must not move the global generator
@@ -369,14 +437,20 @@ def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, devic
 # --- Training ----------------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="DDP training with torchrun (see the docstring for commands)")
     p.add_argument("--out", default="runs/train_ddp", help="checkpoints and results (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in all")
+    p.add_argument("--epochs", type=int, default=10,
+                   help="passes over the training set; the learning-rate schedule spans them (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="at most this many optimizer steps in all (the schedule spans these instead)")
+    p.add_argument("--new-schedule", action="store_true",
+                   help="on a resume with other --epochs or --max-steps: rebuild the learning-rate schedule "
+                        "for the new total (the rate jumps); without it such a resume is refused")
     p.add_argument("--batch-size", type=int, default=32, help="per process and micro-batch")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=0.1,
+                   help="the peak learning rate of the one-cycle schedule (default: %(default)s)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm; 0: no clipping")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
                    help="auto: bf16 on GPUs that run it natively (Ampere+), else fp16 + GradScaler; off on the CPU")
@@ -387,29 +461,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tf32", action="store_true",
                    help="float32 matrix products on TF32 tensor cores (Ampere+ GPUs): faster, ~3 digits fewer")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights, data order, augmentation and dropout (default: %(default)s)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="on GPUs, cuDNN's deterministic algorithms: bit-exact resumes; --no-deterministic "
+                        "lets cuDNN pick the fastest (benchmark), which may differ run to run")
     p.add_argument("--checkpoint-every", type=int, default=50, help="optimizer steps between checkpoints")
     p.add_argument("--eval-every", type=int, default=0, help="optimizer steps between validations (0: at each epoch's end)")
     p.add_argument("--keep", type=int, default=2, help="how many checkpoints to keep (a corrupt newest falls back)")
-    p.add_argument("--log-every", type=int, default=20, help="optimizer steps between log lines")
+    p.add_argument("--log-every", type=int, default=20,
+                   help="optimizer steps between log lines (loss, rate, ETA: progress in a Slurm log too)")
     p.add_argument("--timeout-s", type=float, default=600,
                    help="how long a collective may wait for the other ranks before failing")
     p.add_argument("--pretrained", default=None, help="initial weights (ignored when resuming)")
-    p.add_argument("--fail-at-step", type=int, action="append", default=[],
-                   help="testing: --fail-rank kills itself (SIGKILL) before this step, once per --out; -1: "
-                        "before it joins the process group (may be given several times)")
-    p.add_argument("--fail-rank", type=int, default=0)
-    p.add_argument("--step-delay", type=float, default=0, help="testing: sleep this long in every step (a slow model)")
-    return p.parse_args(argv)
+    # Testing only (not listed by --help): --fail-rank kills itself (SIGKILL) before step
+    # --fail-at-step, once per --out (-1: before it joins the process group; may be given several
+    # times); --step-delay sleeps this long in every step (a slow model).
+    p.add_argument("--fail-at-step", type=int, action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--step-delay", type=float, default=0, help=argparse.SUPPRESS)
+    return p
 
 
-# Settings a resume must keep: they change the arithmetic of the steps still to come. (More --epochs
-# or --max-steps are fine: the schedule is rebuilt for the new total. Another number of processes is
-# fine at the same global batch, processes x --batch-size x --accum, but not bit for bit.)
+TEST_ONLY_OPTIONS = ("--fail-at-step", "--fail-rank", "--step-delay")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+# Settings a resume must keep: they change the arithmetic of the steps still to come. (Other --epochs
+# or --max-steps change the schedule's length: refused unless --new-schedule. Another number of
+# processes is fine at the same global batch, processes x --batch-size x --accum, but not bit for bit.)
 KEPT_ON_RESUME = ("seed", "lr", "clip_grad", "amp", "sync_bn")
 
 
-def resume_problems(saved: dict, args: argparse.Namespace, world_size: int) -> list[str]:
+def resume_problems(saved: dict, args: argparse.Namespace, world_size: int, total_steps: int | None = None) -> list[str]:
     """Why a checkpoint written with settings `saved` cannot go on with these; [] if it can."""
     problems = [f"--{k.replace('_', '-')} was {saved[k]}, now {getattr(args, k)}"
                 for k in KEPT_ON_RESUME if k in saved and saved[k] != getattr(args, k)]
@@ -417,6 +504,11 @@ def resume_problems(saved: dict, args: argparse.Namespace, world_size: int) -> l
     if "global_batch" in saved and saved["global_batch"] != global_batch:
         problems.append(f"the global batch (processes x --batch-size x --accum) was {saved['global_batch']}, "
                         f"now {global_batch}")
+    schedule = saved.get("schedule_steps")
+    if total_steps is not None and schedule is not None and schedule != total_steps and not args.new_schedule:
+        problems.append(f"the learning-rate schedule spans {schedule} steps, and --epochs/--max-steps now make "
+                        f"{total_steps} (resume with the old values, or add --new-schedule to rebuild it for "
+                        f"{total_steps}: the learning rate then jumps)")
     return problems
 
 
@@ -501,8 +593,8 @@ def main() -> None:
     # Reproducible: the same seed gives the same initial weights, data order and augmentation.
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    if device.type == "cuda":
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    if device.type == "cuda":  # deterministic: bit-exact resumes; else cuDNN's fastest algorithms
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = args.deterministic, not args.deterministic
 
     train_set, val_set = build_datasets(args.seed)
     if len(val_set) < world_size:
@@ -540,20 +632,29 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
 
     best_path = out / "best.pt"
-    settings = {**{k: getattr(args, k) for k in KEPT_ON_RESUME},
+    settings = {**{k: getattr(args, k) for k in KEPT_ON_RESUME}, "schedule_steps": total_steps,
                 "global_batch": world_size * args.batch_size * args.accum, "world_size": world_size}
     step, best = 0, None  # step: optimizer steps done; best: the best value of BEST_METRIC so far
     # Resume from the newest checkpoint that loads. Rank 0 chooses and tells the others, so that all
     # ranks resume from the same file.
-    found = newest_loadable_checkpoint(out, device) if is_main else None
-    chosen = [str(found[0]) if found else None]
+    found, refused = None, None
+    if is_main:
+        for stale in out.glob(".*.tmp"):  # a save cut off before its rename (the file it replaced is whole)
+            stale.unlink(missing_ok=True)
+        try:
+            found = newest_loadable_checkpoint(out, device)
+        except CheckpointError as error:
+            refused = str(error)
+    chosen = [str(found[0]) if found else None, refused]
     dist.broadcast_object_list(chosen)
+    if chosen[1]:
+        raise SystemExit(chosen[1])  # on every rank: none waits for the others
     if chosen[0] is not None:
         ckpt = Path(chosen[0])
         # (FileNotFoundError on another machine: --out is not a folder that every machine sees)
         state = found[1] if is_main else torch.load(ckpt, map_location=device, weights_only=True)
         saved = state.get("settings", {})
-        problems = resume_problems(saved, args, world_size)
+        problems = resume_problems(saved, args, world_size, total_steps)
         if problems:
             raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
                              f"the old ones, or start afresh with a new --out")
@@ -563,13 +664,17 @@ def main() -> None:
         step, best = state["step"], state.get("best")
         if step >= total_steps:
             log.info("%s is at step %d, and this run has %d steps in all: nothing to do (more --epochs or "
-                     "--max-steps go on)", ckpt, step, total_steps)
-        # The schedule is rebuilt for this run's total_steps (more epochs are fine), not restored:
-        # step it to where the run is. (It moves the learning rate only: no optimizer step here.)
+                     "--max-steps go on, with --new-schedule)", ckpt, step, total_steps)
+        # The schedule is built for total_steps (the same as the checkpoint's, or a new one with
+        # --new-schedule), not restored: step it to where the run is (learning rate only, no update).
+        saved_lr = optimizer.param_groups[0]["lr"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
             for _ in range(min(step, total_steps)):
                 scheduler.step()
+        if saved.get("schedule_steps", total_steps) != total_steps:
+            log.warning("--new-schedule: %d steps instead of %d; the learning rate goes from %.4g to %.4g",
+                        total_steps, saved["schedule_steps"], saved_lr, optimizer.param_groups[0]["lr"])
         if len(state["rng"]) == world_size:
             set_rng_state(state["rng"][rank], device)
         else:
@@ -586,8 +691,7 @@ def main() -> None:
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "scaler": scaler.state_dict(), "step": step, "best": best, "rng": rngs,
                          "settings": settings}, path)
-            for old in checkpoints(out)[args.keep:]:
-                old.unlink(missing_ok=True)
+            prune_checkpoints(out, args.keep)
         return path
 
     # Two validation samples, batched without a DataLoader: iterating one draws from the global
@@ -621,7 +725,9 @@ def main() -> None:
         return None
 
     metrics = out / "metrics.jsonl"  # rank 0 appends a line per log step and per validation
-    board = tensorboard_writer(out) if is_main else None  # and writes TensorBoard's files, if installed
+    if is_main:
+        drop_rows_after(metrics, step)  # rows of steps this run does again (after the checkpoint it resumed)
+    board = tensorboard_writer(out, purge_step=step) if is_main else None  # and TensorBoard's files, if installed
     window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
     while step < total_steps and not stopped:
         epoch, done_in_epoch = divmod(step, steps_per_epoch)
@@ -674,8 +780,10 @@ def main() -> None:
                           "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0],
                           "step_time_s": seconds / window["steps"],
                           "samples_per_s": window["steps"] * settings["global_batch"] / seconds}
-                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s", step, total_steps,
-                         record["loss"], record["grad_norm"], record["lr"], record["samples_per_s"])
+                eta = round((total_steps - step) * record["step_time_s"])
+                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  ETA %d:%02d:%02d",
+                         step, total_steps, record["loss"], record["grad_norm"], record["lr"], record["samples_per_s"],
+                         record["step_time_s"], eta // 3600, eta // 60 % 60, eta % 60)
                 if is_main:
                     write_metrics(metrics, record, board)
                 window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}

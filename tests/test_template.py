@@ -11,11 +11,13 @@ The two-host test needs root (network namespaces) and is skipped elsewhere with 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib.util
 import json
 import os
 import random
+import re
 import runpy
 import select
 import signal
@@ -358,8 +360,8 @@ def test_two_hosts_a_killed_rank_restarts_everywhere_and_resumes_bit_for_bit(tmp
 
 
 def test_resume_adapts_to_more_epochs_and_refuses_other_settings(tmp_path):
-    """A finished 1-epoch run goes on for a second epoch (the schedule is rebuilt for the new total,
-    not restored: OneCycleLR would raise), from the checkpoint before the newest when the newest is
+    """A finished 1-epoch run goes on for a second epoch only with --new-schedule (the schedule is
+    rebuilt for the new total, not restored: OneCycleLR would raise; without it, refused), from the checkpoint before the newest when the newest is
     corrupt; a changed learning rate or global batch is refused at once, with the reason, instead of
     being dropped silently. Rank 0 logs metrics to OUT/metrics.jsonl."""
     out = tmp_path / "run"
@@ -368,7 +370,13 @@ def test_resume_adapts_to_more_epochs_and_refuses_other_settings(tmp_path):
     kept = sorted(p.name for p in out.glob("checkpoint-*.pt"))
     assert kept == ["checkpoint-0000040.pt", "checkpoint-0000044.pt"], kept  # --keep 2
     (out / "checkpoint-0000044.pt").write_bytes(b"cut off by a full disk")
-    second, log = train(out, 2, "--epochs", "2", "--batch-size", "16", "--workers", "0")
+    # Another --epochs changes the one-cycle schedule's length: refused, unless --new-schedule says so.
+    done = launch(SCRIPT, 2, "--out", str(out), *TINY, "--epochs", "2", "--batch-size", "16", "--workers", "0")
+    log = done.stdout + done.stderr
+    assert done.returncode != 0 and "the learning-rate schedule spans 44 steps, and --epochs/--max-steps now " \
+        "make 88" in log, log[-3000:]
+    second, log = train(out, 2, "--epochs", "2", "--batch-size", "16", "--workers", "0", "--new-schedule")
+    assert "--new-schedule: 88 steps instead of 44; the learning rate goes from" in log, log[-3000:]
     assert "checkpoint-0000044.pt cannot be read" in log, log[-3000:]
     assert second["step"] == STEPS and f"resumed from {out / 'checkpoint-0000040.pt'} at step 40 " in log, log[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -377,7 +385,7 @@ def test_resume_adapts_to_more_epochs_and_refuses_other_settings(tmp_path):
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0 and r["samples_per_s"] > 0 for r in steps), steps
     assert any(r.get("validation", {}).get("count") == 360 for r in records), records[-3:]
     # Another number of processes at the same global batch (1 x 32 = 2 x 16) goes on, with a warning.
-    third, log = train(out, 1, "--epochs", "3", "--batch-size", "32", "--workers", "0")
+    third, log = train(out, 1, "--epochs", "3", "--batch-size", "32", "--workers", "0", "--new-schedule")
     assert "resumed with 1 processes instead of 2 (same global batch)" in log and third["step"] == 3 * 44, log[-3000:]
     done = launch(SCRIPT, 2, "--out", str(out), *TINY, "--epochs", "4", "--batch-size", "8", "--lr", "0.5",
                   "--workers", "0")
@@ -565,3 +573,118 @@ def test_metrics_go_to_tensorboard_where_it_is_installed(tmp_path):
     assert sorted(events.Tags()["scalars"]) == ["train/loss", "train/lr", "validation/loss"]
     assert [(e.step, e.value) for e in events.Scalars("validation/loss")] == [(5, 2.0)]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# --- REVIEW G: each of these failed on the template before the fix ---------------------------------
+
+
+def test_the_settling_pass_runs_in_eval_mode_with_cudnn_off():
+    """settle_bucket_order's backward runs in eval mode (no BatchNorm update, no dropout draw), and
+    cuDNN refuses a GRU's or LSTM's backward in eval mode: so that pass runs with cuDNN off (checked
+    here on the CPU by what the model sees), and everything is as before afterwards."""
+    t = template_module()
+    seen = []
+
+    class Recorder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.GRU(4, 5, batch_first=True), nn.Linear(5, 3)
+
+        def forward(self, x):
+            seen.append((self.training, torch.backends.cudnn.enabled))
+            return self.head(self.rnn(x)[0][:, -1])
+
+    model = Recorder()
+    t.settle_bucket_order(model, (torch.randn(2, 6, 4), torch.tensor([0, 2])))
+    assert seen == [(False, False)], seen  # eval mode, cuDNN off
+    assert model.training and torch.backends.cudnn.enabled
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_retention_keeps_the_newest_readable_checkpoints(tmp_path):
+    """Two newest checkpoints cut off (a full disk): they are not counted among the --keep kept;
+    the readable ones are kept, the cut-off ones deleted."""
+    t = template_module()
+    for step in (10, 20, 30, 40):
+        torch.save({"step": step}, tmp_path / f"checkpoint-{step:07d}.pt")
+    for step in (30, 40):
+        path = tmp_path / f"checkpoint-{step:07d}.pt"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    t.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*.pt")) == ["checkpoint-0000010.pt", "checkpoint-0000020.pt"]
+
+
+def test_checkpoints_that_all_fail_to_load_are_refused_not_restarted_from_zero(tmp_path):
+    out = tmp_path / "run"
+    args = ["--epochs", "1", "--max-steps", "6", "--checkpoint-every", "2", "--batch-size", "32", "--workers", "0"]
+    train(out, 1, *args[2:], common=args[:2])
+    for path in out.glob("checkpoint-*.pt"):  # both kept checkpoints cut off
+        path.write_bytes(path.read_bytes()[:1000])
+    done = launch(SCRIPT, 1, "--out", str(out), *args)
+    log = done.stdout + done.stderr
+    assert done.returncode != 0 and "none can be read" in log and "process(es), backend" not in log, log[-3000:]
+
+
+def test_evaluation_uses_rank_0s_batchnorm_statistics_at_any_number_of_processes():
+    """Each rank's BatchNorm running statistics differ (DDP broadcasts rank 0's before every forward,
+    and each rank then updates its own); final.pt has rank 0's. Evaluation must use rank 0's on
+    every rank: the same result at 2 processes as at 1."""
+    def evaluate_bn(rank, world_size):
+        import importlib.util
+
+        import torch
+        spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        torch.manual_seed(0)
+        net = module.build_model()
+        for m in net.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean += 0.5 * rank  # rank 0's are the model's own
+                m.running_var *= 1 + rank
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(12, 1, 8, 8, generator=g), torch.randint(0, 10, (12,), generator=g))
+        args = module.parse_args(["--batch-size", "4"])
+        return module.evaluate(net, data, rank, world_size, torch.device("cpu"), args, None)
+
+    one = run_ranks(evaluate_bn, 1, show_output=False)[0]
+    two = run_ranks(evaluate_bn, 2, show_output=False)[0]
+    assert two["count"] == one["count"] == 12
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["accuracy"] == one["accuracy"], (one, two)
+
+
+def test_metrics_have_one_row_per_step_after_a_resume_and_stale_temporary_files_go(tmp_path):
+    """Rank 0 crashes at step 17, after the row of step 15 and the checkpoint of step 10; the resumed
+    run writes steps 11-20 again: metrics.jsonl keeps one row per step (not two of step 15). A
+    .tmp left by a save cut off mid-write is removed at start. Log lines show the rate and ETA."""
+    out = tmp_path / "run"
+    args = ["--epochs", "1", "--max-steps", "20", "--log-every", "5", "--checkpoint-every", "10",
+            "--batch-size", "32", "--workers", "0"]
+    crashed = launch(SCRIPT, 1, "--out", str(out), *args, "--fail-at-step", "17")
+    assert crashed.returncode != 0 and (out / "checkpoint-0000010.pt").exists(), crashed.stdout[-3000:]
+    (out / ".checkpoint-0000015.pt.tmp").write_bytes(b"half a checkpoint")
+    result, log = train(out, 1, *args[2:], "--fail-at-step", "17", common=args[:2])
+    assert "resumed from" in log and result["step"] == 20, log[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [5, 10, 15, 20], rows
+    assert [r["step"] for r in rows if "validation" in r] == [20], rows
+    no_temporary_files(out)
+    assert re.search(r"step 20/20 .* samples/s .* s/step  ETA 0:00:00", log), log[-2000:]
+
+
+def test_help_describes_every_option_and_hides_the_test_only_ones():
+    t = template_module()
+    parser = t.build_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        if not action.option_strings or "--help" in action.option_strings:
+            continue
+        name = action.option_strings[0]
+        if name in t.TEST_ONLY_OPTIONS:
+            assert action.help == argparse.SUPPRESS and name not in text, name
+        else:
+            assert action.help and action.help != argparse.SUPPRESS, f"{name} has no help"
+    assert set(t.TEST_ONLY_OPTIONS) == {"--fail-at-step", "--fail-rank", "--step-delay"}
+    hidden = t.parse_args(["--fail-at-step", "3", "--fail-rank", "1", "--step-delay", "0.5"])  # still accepted
+    assert (hidden.fail_at_step, hidden.fail_rank, hidden.step_delay) == ([3], 1, 0.5)
+    assert t.parse_args([]).deterministic and not t.parse_args(["--no-deterministic"]).deterministic
