@@ -2,7 +2,7 @@
 
 Plain PyTorch, the standard library and tqdm: nothing from the course. The parts you replace for your
 own work are `build_datasets`, `build_model`, `loss_fn`, `metric_sums` with `BEST_METRIC`, and
-(maybe) `build_optimizer`; see template/README.md. Everything else (the process group, sharding, mixed precision, accumulation,
+(maybe) `collate`, `split_batch` and `build_optimizer`; see template/README.md. Everything else (the process group, sharding, mixed precision, accumulation,
 exact evaluation, checkpoints, resume, SIGTERM) works as is on CPUs (gloo) and GPUs (nccl).
 
 One machine (1 process, or one per GPU / 4 CPU processes):
@@ -203,6 +203,16 @@ def metric_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch
     outputs whose dimension 1 holds the classes, one label per sample or per pixel."""
     return {"loss": loss_fn(outputs.float(), targets, reduction="sum"),
             "accuracy": (outputs.argmax(1) == targets).sum(), "count": torch.tensor(targets.numel())}
+
+
+def collate(samples: list):
+    """One batch from a list of samples (the DataLoader's collate_fn, in training and evaluation).
+    default_collate stacks tensors of one shape; sequences of different lengths need padding to the
+    longest in each batch, e.g. with their lengths for the model:
+        tokens = [x for x, _ in samples]
+        padded = nn.utils.rnn.pad_sequence(tokens, batch_first=True)  # pads with 0
+        return (padded, torch.tensor([len(x) for x in tokens])), torch.stack([y for _, y in samples])"""
+    return default_collate(samples)
 
 
 def split_batch(batch) -> tuple:
@@ -417,7 +427,7 @@ def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, devic
         dist.broadcast(buffer, 0)
     mine = Subset(val_set, range(rank, len(val_set), world_size))
     loader = DataLoader(mine, batch_size=args.batch_size, num_workers=0, pin_memory=device.type == "cuda",
-                        generator=torch.Generator())  # its own: iterating must not move the global generator
+                        collate_fn=collate, generator=torch.Generator())  # its own: iterating must not move the global generator
     totals: dict[str, torch.Tensor] = {}
     for batch in loader:
         inputs, targets = to_device(split_batch(batch), device)
@@ -604,7 +614,7 @@ def main() -> None:
                         num_workers=args.workers, pin_memory=device.type == "cuda",
                         persistent_workers=False,  # new workers each epoch see the dataset's new epoch
                         generator=torch.Generator().manual_seed(args.seed),  # leaves the global RNG alone
-                        worker_init_fn=worker_init)
+                        collate_fn=collate, worker_init_fn=worker_init)
     steps_per_epoch = len(sampler) // args.batch_size // args.accum
     if steps_per_epoch == 0:
         raise SystemExit(f"an epoch has fewer than {args.accum} batches of {args.batch_size} per process")
@@ -696,7 +706,7 @@ def main() -> None:
 
     # Two validation samples, batched without a DataLoader: iterating one draws from the global
     # random generator, which a resumed run has just restored.
-    settle_bucket_order(model, default_collate([val_set[0], val_set[1 % len(val_set)]]))
+    settle_bucket_order(model, collate([val_set[0], val_set[1 % len(val_set)]]))
     log.info("%d process(es), backend %s, device %s, autocast %s, %d steps of %d x %d x %d samples",
              world_size, dist.get_backend(), device.type, amp_dtype, total_steps, world_size,
              args.accum, args.batch_size)

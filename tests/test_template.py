@@ -688,3 +688,74 @@ def test_help_describes_every_option_and_hides_the_test_only_ones():
     hidden = t.parse_args(["--fail-at-step", "3", "--fail-rank", "1", "--step-delay", "0.5"])  # still accepted
     assert (hidden.fail_at_step, hidden.fail_rank, hidden.step_delay) == ([3], 1, 0.5)
     assert t.parse_args([]).deterministic and not t.parse_args(["--no-deterministic"]).deterministic
+
+
+SEQUENCES = {  # variable-length sequences of tokens, padded per batch: a GRU says which token is largest
+    "build_datasets": '''
+class Sequences(Dataset):
+    def __init__(self, seqs, labels):
+        self.seqs, self.labels = seqs, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.seqs[i], self.labels[i]
+
+
+def build_datasets(seed: int) -> tuple[Dataset, Dataset]:
+    g = torch.Generator().manual_seed(1234)
+    lengths = torch.randint(2, 13, (700,), generator=g).tolist()
+    seqs = [torch.randint(1, 10, (n,), generator=g) for n in lengths]  # tokens 1-9; 0 pads
+    labels = torch.stack([s.max() for s in seqs])
+    return Sequences(seqs[100:], labels[100:]), Sequences(seqs[:100], labels[:100])
+''',
+    "build_model": '''
+class GRUClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 16, padding_idx=0)
+        self.rnn = nn.GRU(16, 32, batch_first=True)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, inputs):
+        tokens, lengths = inputs
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(tokens), lengths.cpu(), batch_first=True,
+                                                   enforce_sorted=False)
+        return self.head(self.drop(self.rnn(packed)[1][-1]))
+
+
+def build_model() -> nn.Module:
+    return GRUClassifier()
+''',
+    "collate": '''
+def collate(samples):
+    tokens = [x for x, _ in samples]
+    return {"tokens": nn.utils.rnn.pad_sequence(tokens, batch_first=True),
+            "lengths": torch.tensor([len(x) for x in tokens]), "labels": torch.stack([y for _, y in samples])}
+''',
+    "split_batch": '''
+def split_batch(batch):
+    return (batch["tokens"], batch["lengths"]), batch["labels"]
+''',
+}
+
+
+def test_a_variable_length_sequence_model_adapted_where_the_readme_says_resumes_bit_for_bit(tmp_path):
+    """Sequences of 2 to 12 tokens, padded per batch by `collate` (with loader workers) and unpacked
+    by `split_batch`, into a GRU with dropout: made by replacing only what the README's table names.
+    It trains, stops at a SIGTERM mid-epoch, and the resumed run ends with the uninterrupted run's
+    weights, bit for bit."""
+    script = adapted_template(tmp_path, SEQUENCES)
+    readme = (ROOT / "template" / "README.md").read_text()
+    assert all(f"| `{name}(" in readme for name in SEQUENCES), "the README's table must name each of these"
+    args = ["--epochs", "2", "--batch-size", "50", "--workers", "1", "--log-every", "3", "--checkpoint-every", "4",
+            "--lr", "0.05"]
+    plain, _ = train(tmp_path / "plain", 1, *args[2:], script=script, common=args[:2])
+    assert plain["count"] == 100 and plain["step"] == 24, plain
+    status, log, lingering = sigterm_trial(tmp_path / "stopped", "step 9/24", 0.0, script=script, args=args)
+    assert status == 0 and "SIGTERM: saved" in log and not lingering, log[-3000:]
+    resumed, log = train(tmp_path / "stopped", 1, *args[2:], script=script, common=args[:2])
+    assert "resumed from" in log, log[-3000:]
+    assert resumed["weights_sha256"] == plain["weights_sha256"], "not bit for bit after SIGTERM and a resume"
