@@ -55,6 +55,15 @@ def test_lab_00_under_two_real_torchrun_agents():
     assert pass_line(4) in out
 
 
+@pytest.mark.slow
+def test_lab_05_under_torchrun_forms_every_group():
+    """Under torchrun (not forked ranks) the ranks get TORCHELASTIC_USE_AGENT_STORE, which torch 2.11
+    applies to a tcp:// address too: lab 05's tcp:// group timed out there (REVIEW A)."""
+    result = launch(ROOT / "solutions" / "05_init_methods.py", 2, torchrun=True)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "tcp:// formed a group of 2" in result.stdout and pass_line(2) in result.stdout
+
+
 def refusal_cases():
     for path in solutions():
         for nproc in refuses(path.stem):
