@@ -132,7 +132,8 @@ def frame_title(n: int, frame: int) -> str:
         return f"{n} ranks, done: every rank holds every summed chunk"
     step = steps[frame]
     verb = "adds it to its own" if step.phase == SCATTER_REDUCE else "overwrites its copy"
-    return (f"{n} ranks, {step.phase} step {step.index + 1} of {n - 1}: "
+    # steps are numbered from 0, as in ring_schedule and the formulas: step s of 0 .. N-2
+    return (f"{n} ranks, {step.phase} step {step.index} (of 0 to {n - 2}): "
             f"each rank sends the outlined chunk to rank + 1, which {verb}")
 
 
