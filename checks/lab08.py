@@ -7,6 +7,7 @@ lab's X (this module never imports the lab).
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from itertools import combinations
 from types import SimpleNamespace
 
@@ -112,6 +113,69 @@ def check_streams_kept(checks: Checks, rank: int, device: torch.device) -> bool:
     moved = [name for name in before if after[name] != before[name]]
     checks.expect(not moved, streams_moved_diagnosis(moved, before, after, lab.SEED + rank))
     return True
+
+
+def build_model_as_on_a_gpu() -> dict | None:
+    """build_model(SEED, cuda:0) rehearsed on this CPU: which generators it would save and restore.
+
+    Nothing touches CUDA: Module.to(a CUDA device) keeps the module where it is, fork_rng records the
+    devices it was given and saves the CPU's generator only, and CUDA's get/set_rng_state are recorded.
+    None when the rehearsal cannot tell (the code did something it does not model)."""
+    asked = {"fork_rng": [], "cuda_state_saved": False}
+    real_fork_rng, real_to = torch.random.fork_rng, torch.nn.Module.to
+
+    @contextmanager
+    def fork_rng(devices=None, enabled=True, *args, **kwargs):
+        asked["fork_rng"].append(None if devices is None else list(devices))
+        with real_fork_rng(devices=[], enabled=enabled):
+            yield
+
+    def to(module, *args, **kwargs):
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cuda":
+            return module
+        return real_to(module, *args, **kwargs)
+
+    def saved(*args, **kwargs):
+        asked["cuda_state_saved"] = True
+        return torch.get_rng_state()
+
+    names = {"fork_rng": fork_rng}
+    module_globals = lab.build_model.__globals__
+    replaced = {k: v for k, v in module_globals.items() if v is real_fork_rng}  # `from torch.random import fork_rng`
+    try:
+        torch.random.fork_rng, torch.nn.Module.to = fork_rng, to
+        real_state = (torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.cuda.get_rng_state_all,
+                      torch.cuda.set_rng_state_all)
+        torch.cuda.get_rng_state = torch.cuda.get_rng_state_all = saved
+        torch.cuda.set_rng_state = torch.cuda.set_rng_state_all = lambda *a, **k: None
+        module_globals.update({k: names["fork_rng"] for k in replaced})
+        lab.build_model(lab.SEED, torch.device("cuda", 0))
+    except Exception:
+        return None
+    finally:
+        torch.random.fork_rng, torch.nn.Module.to = real_fork_rng, real_to
+        (torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.cuda.get_rng_state_all,
+         torch.cuda.set_rng_state_all) = real_state
+        module_globals.update(replaced)
+    return asked
+
+
+def check_gpu_stream_kept(checks: Checks, device: torch.device) -> None:
+    """On a CPU rank, what build_model would do on a GPU: torch.manual_seed(seed) seeds every GPU too,
+    so fork_rng must save and restore this rank's GPU generator, or every rank's dropout on the GPU
+    starts from the shared seed (the chapter's headline bug, invisible on a CPU)."""
+    if device.type != "cpu":
+        return  # on a GPU check_streams_kept sees the real CUDA generator
+    asked = build_model_as_on_a_gpu()
+    if asked is None or not asked["fork_rng"] or asked["cuda_state_saved"]:
+        return  # no fork_rng (the CPU checks name that), or the GPU state kept by hand
+    kept_gpu = all(devices is None or any(torch.device(d if not isinstance(d, int) else f"cuda:{d}").type == "cuda"
+                                          for d in devices) for devices in asked["fork_rng"])
+    checks.expect(kept_gpu, f"on a GPU, build_model would reset this rank's CUDA generator to the shared seed: "
+                            f"fork_rng(devices={asked['fork_rng'][0]}) saves and restores the CPU's generator only, "
+                            f"and torch.manual_seed(seed) seeds every GPU too (rehearsed here with device cuda:0) - "
+                            f"give fork_rng this rank's GPU: devices=[device] when device.type == 'cuda'")
 
 
 STREAM_NAMES = {"cpu": "torch", "random": "Python random", "np.random": "NumPy"}
@@ -256,6 +320,7 @@ def main(me: Rank, checks: Checks) -> None:
     check_seed_everything(checks, me.rank, me.device)
     if not check_streams_kept(checks, me.rank, me.device):
         return  # build_model cannot run on this device: every later check would only repeat that
+    check_gpu_stream_kept(checks, me.device)
     check_loader_keeps_streams(checks, me.rank, me.world_size, me.device)
     check_order_follows_seed(checks, me.rank, me.world_size)
     first = lab.one_run(me.rank, me.world_size, me.device)

@@ -1,7 +1,7 @@
 """Chapter 08: the mistakes its check must name."""
 
 import torch
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 MODEL_BLOCK = ("    with torch.random.fork_rng(devices=rank_devices):\n        torch.manual_seed(seed)\n"
                "        return Net().to(device)\n")
@@ -66,5 +66,20 @@ if not torch.cuda.is_available():  # where GPUs exist this is the right answer
     MUTATIONS.append(Mutation("fork_rng given the CPU device", "    with torch.random.fork_rng(devices=rank_devices):\n",
                               "    with torch.random.fork_rng(devices=[device]):\n",
                               "build_model reached for a GPU on a CPU-only rank", 2))
+
+# The chapter's headline bug, which a CPU run cannot show: the check rehearses build_model with cuda:0
+MUTATIONS += [
+    Mutation("fork_rng(devices=[]) whatever the device",
+             '    rank_devices = [device] if device.type == "cuda" else []  # the GPU generator this rank draws from\n',
+             "    rank_devices = []\n", "on a GPU, build_model would reset this rank's CUDA generator", 2),
+    Mutation("fork_rng imported by name, devices=[]",
+             "    with torch.random.fork_rng(devices=rank_devices):\n",
+             "    from torch.random import fork_rng\n    with fork_rng(devices=[]):\n",
+             "fork_rng(devices=[]) saves and restores the CPU's generator only", 3),
+]
+CORRECT = [
+    Variant("fork_rng over every device (devices left out)", "    with torch.random.fork_rng(devices=rank_devices):\n",
+            "    with torch.random.fork_rng():\n", 2),
+]
 
 NODES = True  # LOCAL_RANK and the rank's device
