@@ -99,7 +99,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire: a requeued job may start again after this many seconds (default 120)
+# cred_expire: a requeued job may start again after this many seconds (default 120; 5 is the
+# least Slurm accepts, and it ignores a smaller one)
 AuthInfo=socket={d}/munge.socket,cred_expire=5
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
@@ -214,14 +215,18 @@ def test_sbatch_saves_requeues_and_resumes_bit_for_bit_and_scancel_does_not_requ
     """The time-limit signal (SIGUSR1 to the batch script) mid-run: the training saves, the job
     requeues itself, the requeued job resumes from that checkpoint; a second time-limit signal in
     the requeued run does the same; the third run ends with the weights of an uninterrupted run,
-    bit for bit. A plain scancel ends a job (the other one, at the same time) without a requeue."""
+    bit for bit. Two other jobs at the same time: a plain scancel ends one without a requeue, and
+    SIGUSR2 (the script's "save and stop") makes the other save and end without a requeue."""
     job, log = slurm.submit(tmp_path / "run", 2, *TRAIN, *SLOW)
     cancelled, cancelled_log = slurm.submit(tmp_path / "cancelled", 1, *TRAIN, *SLOW)
+    stopped, stopped_log = slurm.submit(tmp_path / "stopped", 1, *TRAIN, *SLOW)
     plain = launch(SCRIPT, 2, "--out", str(tmp_path / "plain"), *TRAIN)  # uninterrupted, meanwhile
     assert plain.returncode == 0, (plain.stdout + plain.stderr)[-3000:]
 
     wait_in_log(slurm, cancelled_log, r"step 5/40")
     slurm.run("scancel", cancelled)
+    wait_in_log(slurm, stopped_log, r"step 5/40")
+    slurm.run("scancel", "--batch", "--signal=USR2", stopped)
 
     stops = []
     for attempt in range(2):  # the time limit twice: in the first run, and in the requeued one
@@ -255,3 +260,11 @@ def test_sbatch_saves_requeues_and_resumes_bit_for_bit_and_scancel_does_not_requ
     for path in (tmp_path / "cancelled").glob("checkpoint-*.pt"):
         torch.load(path, weights_only=True)
     assert not list((tmp_path / "cancelled").glob(".*.tmp"))
+
+    # SIGUSR2: saved, stopped, not requeued.
+    state = slurm.wait_for(lambda: (lambda j: j if j.get("JobState") in ("COMPLETED", "FAILED") else None)(
+        slurm.job(stopped)), 60, f"job {stopped} ended")
+    text = stopped_log.read_text()
+    assert state["Restarts"] == "0" and "requeueing" not in text and "asked to stop" in text, text[-4000:]
+    saved = re.search(r"SIGTERM: saved (\S+) at step (\d+)", text)
+    assert saved and torch.load(saved.group(1), weights_only=True)["step"] == int(saved.group(2)) < 40, text[-4000:]
