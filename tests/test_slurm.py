@@ -231,7 +231,7 @@ def test_sbatch_saves_requeues_and_resumes_bit_for_bit_and_scancel_does_not_requ
     stops = []
     for attempt in range(2):  # the time limit twice: in the first run, and in the requeued one
         start = wait_in_log(slurm, log, rf"job {job} \(restart {attempt}\)").end()
-        wait_in_log(slurm, log, r"step (1\d|2\d|3[0-4])/40", after=start)  # training, with steps to go
+        wait_in_log(slurm, log, r"step \d+/40", after=start)  # training: its first log line
         slurm.run("scancel", "--batch", "--signal=USR1", job)
         saved = wait_in_log(slurm, log, r"SIGTERM: saved (\S+) at step (\d+)", after=start)
         stops.append((saved.group(1), int(saved.group(2))))
