@@ -27,6 +27,10 @@ BAD = [
     ("tcp:// without a port", ["--init-method", "tcp://127.0.0.1", *RANKS], {}, "port"),
     ("tcp:// with port 70000", ["--init-method", "tcp://127.0.0.1:70000", *RANKS], {}, "port"),
     ("a relative file:// path", ["--init-method", "file://rendezvous", *RANKS], {}, "absolute"),
+    # urlparse reads "node1" as a host and /tmp/rdzv as the path: a rendezvous on another machine's disk,
+    # which init_process_group would silently take as this machine's /tmp/rdzv
+    ("file:// with a host (file://node1/tmp/rdzv)", ["--init-method", "file://node1/tmp/rdzv", *RANKS], {}, "absolute"),
+    ("tcp:// with port 0", ["--init-method", "tcp://127.0.0.1:0", *RANKS], {}, "port"),
     ("file:// in a missing folder", ["--init-method", "file:///no/such/folder/rdzv", *RANKS], {}, "/no/such/folder"),
     ("env:// without MASTER_ADDR", [], {"MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR"),
     ("env:// without MASTER_PORT", [], {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "2"}, "MASTER_PORT"),
@@ -87,12 +91,18 @@ def check_good_settings(checks: Checks) -> bool:
          {"RANK": "3", "WORLD_SIZE": "4"}, (0, 4), {
             3: "--rank 0 was treated as missing - `args.rank or ...` is false for 0; test `args.rank is not None`"}),
         ("--rank 0 --world-size 2 and no environment", [*tcp, "--rank", "0", "--world-size", "2"], {}, (0, 2), {}),
+        ("tcp:// at port 65535, the top of the range", ["--init-method", "tcp://127.0.0.1:65535", "--rank", "1",
+                                                         "--world-size", "2"], {}, (1, 2), {}),
+        ("tcp:// at port 1, the bottom of the range", ["--init-method", "tcp://127.0.0.1:1", "--rank", "1",
+                                                       "--world-size", "2"], {}, (1, 2), {}),
     ]
     for what, argv, environ, expected, causes in cases:
         got = attempt(argv, environ)
         if isinstance(got, str):
             hint = ("--rank 0 was treated as missing - `args.rank or ...` is false for 0; test `args.rank is not None`"
-                    if "--rank 0" in what else "these settings are valid: raise only for the cases in the docstring")
+                    if "--rank 0" in what else
+                    "ports go from 1 to 65535, both included" if "port" in what else
+                    "these settings are valid: raise only for the cases in the docstring")
             checks.fail(f"{what} raised {got}: {hint}")
             return False
         found = (got.rank, got.world_size)

@@ -43,6 +43,13 @@ MUTATIONS += [
              "file:// in a missing folder was accepted", 2),
     Mutation("timeout 0 accepted", "if args.timeout <= 0:", "if args.timeout < 0:",
              "a timeout of 0 s was accepted", 2),
+    # Inputs the lab's own run never uses: the ends of the port range, a file:// URL with a host
+    Mutation("the top port refused (port < 65535)", "not 0 < port < 65536", "not 0 < port < 65535",
+             "tcp:// at port 65535, the top of the range raised", 2),
+    Mutation("port 0 accepted", "not 0 < port < 65536", "not 0 <= port < 65536",
+             "tcp:// with port 0 was accepted", 3),
+    Mutation("file:// path read by urlparse (the host dropped)", 'path = method[len("file://"):]',
+             "path = urlparse(method).path", "file:// with a host (file://node1/tmp/rdzv) was accepted", 2),
 ]
 
 NPROCS = (1, 2, 3, 4)  # each run waits out timeouts: 5 ranks adds 15 s and nothing new
