@@ -405,9 +405,25 @@ def check_ddp(checks: Checks, device: torch.device) -> None:
               f"(step {POISONED_STEP} poisoned on rank {dist.get_world_size() - 1}, skipped on every rank)")
 
 
+def check_scale_keeps_the_loss(checks: Checks) -> None:
+    """scale(loss) returns a new tensor: the caller still logs (and may reuse) the loss it passed.
+    Scaled in place, every logged loss comes out init_scale times too large, and training is right."""
+    scaler = lab.LossScaler(init_scale=1024.0)
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2.0).sum()
+    scaled = scaler.scale(loss)
+    checks.expect(loss.item() == 6.0, f"scale(loss) changed the caller's loss in place (6 became {loss.item():g}): "
+                                      f"the training loop logs that loss, now {loss.item() / 6:g}x too large - "
+                                      f"return a new tensor, loss * scale, as GradScaler.scale does")
+    checks.expect(torch.is_tensor(scaled) and scaled.requires_grad and scaled.item() == 6.0 * 1024,
+                  f"scale(loss) of a loss of 6 at scale 1024 returned {scaled!r}, not a tensor of 6144 that "
+                  f"backward() can run through")
+
+
 def main(me: Rank, checks: Checks) -> None:
     if not check_one_iteration(checks):  # the same verdict on every rank
         return  # the replay and the DDP run would only report the same mistake in other words
+    check_scale_keeps_the_loss(checks)
     check_replay(checks)
     check_ddp(checks, me.device)
 

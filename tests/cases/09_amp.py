@@ -66,4 +66,7 @@ MUTATIONS = [
              "self.scale_value /= self.backoff_factor", "do not divide by it"),
     Mutation("step() clears the finding before update()", "            optimizer.step()\n",
              "            optimizer.step()\n        self.found_inf = False\n", "before update() read it"),
+    # A side effect the lab's own loop cannot see (it never logs the loss it scaled)
+    Mutation("the caller's loss scaled in place", "        return loss * self.scale_value\n",
+             "        return loss.mul_(self.scale_value)\n", "changed the caller's loss in place", 3),
 ]
