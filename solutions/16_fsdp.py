@@ -1,0 +1,294 @@
+"""Lab 16 - fully sharded data parallel by hand (ZeRO-3): a wrapper like DDP whose ranks each keep
+only a shard of every layer's parameters.
+
+Chapter 13's ZeRO-1 sharded the optimizer's state; here the parameters themselves are sharded. Each
+layer that holds a weight matrix is a *unit*: its parameters are flattened, padded with zeros to a
+multiple of the world size and cut into one shard per rank (an fp32 nn.Parameter: the master weight).
+One step:
+
+    forward:   all-gather a unit just before it runs, free it as soon as it has run
+    backward:  gather it again where autograd needs it (a saved-tensor hook), free it when done,
+               and reduce-scatter the gradient of the gathered unit: each rank gets its shard's average
+    step:      any torch.optim optimizer on model.parameters(): this rank's shards
+
+A parameter outside the units (a norm's gain) or held by two units (a tied weight) stays whole on every
+rank, its gradient averaged by finish_gradient_sync(). With compute_dtype=torch.bfloat16 the units are
+gathered and computed in bf16 while the shards stay fp32, and gradients are reduced in fp32.
+
+The check trains your wrapper beside one process on the global batch and compares the weights after
+every step, counts what is gathered and when it is freed, and looks at the dtypes of the collectives.
+
+Run it with 4 processes:
+    make lab CH=16 NPROC=4
+    (or: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 labs/16_fsdp.py)
+"""
+# SOLUTION FILE
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from ringside.data import digits
+
+SEED = 0
+STEPS = 4
+BATCH_PER_RANK = 8
+LR, MOMENTUM = 0.1, 0.9
+
+
+class Net(nn.Module):
+    """Four layers with weights (the units), a LayerNorm (replicated), a weight tied across two layers
+    (replicated) and a frozen bias. Unit sizes 845, 13, 13 and 130: padding is needed at every world
+    size from 2 to 5."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 13)
+        self.norm = nn.LayerNorm(13)
+        self.hidden = nn.Linear(13, 13)
+        self.again = nn.Linear(13, 13)
+        self.again.weight = self.hidden.weight  # tied: one Parameter held by two layers
+        self.out = nn.Linear(13, 10)
+        self.out.bias.requires_grad_(False)     # frozen
+
+    def forward(self, x):
+        x = torch.tanh(self.norm(self.inp(x)))
+        x = torch.tanh(self.hidden(x))
+        x = torch.tanh(self.again(x))
+        return self.out(x)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(SEED)
+    return Net()
+
+
+def find_units(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """(layer, names of the parameters to shard) for every layer that holds a weight matrix: its own
+    trainable parameters that no other layer holds. Everything else stays whole on every rank."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    units = []
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is None or weight.dim() < 2 and not isinstance(module, nn.Embedding):
+            continue
+        names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and holders[id(p)] == 1]
+        if names:
+            units.append((module, names))
+    return units
+
+
+# --- Your part: the pieces of a fully sharded wrapper -------------------------------------------
+
+
+def shard_of(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """`rank`'s shard of the vector `flat` padded with zeros to the next multiple of world_size: a new
+    tensor (not a view) of ceil(n / world_size) elements; shard r is the r-th of the equal pieces."""
+    # HINT 1: size = -(-flat.numel() // world_size); pad with flat.new_zeros(size * world_size - flat.numel()).
+    # HINT 2: torch.cat([flat, zeros])[rank * size:(rank + 1) * size].clone()
+    # BEGIN SOLUTION: return a new tensor: rank's equal piece of flat padded with zeros to a multiple of world_size
+    size = -(-flat.numel() // world_size)
+    padded = torch.cat([flat.detach(), flat.new_zeros(size * world_size - flat.numel())])
+    start = rank * size
+    return padded[start:start + size].clone()
+    # END SOLUTION
+
+
+def all_gather_flat(shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's shard, cast to `dtype` before it is sent, in rank order: one new tensor of
+    world_size x shard.numel() elements (the padded vector, on every rank)."""
+    # HINT 1: dist.all_gather_into_tensor(output, input) (all_gather_single in torch 2.14) fills output with every rank's input, in rank order.
+    # HINT 2: cast first (shard.to(dtype)), so the bytes sent are the compute dtype's; output = torch.empty(world_size * n, dtype=dtype).
+    # BEGIN SOLUTION: return every rank's shard, in rank order, in one tensor of dtype; the collective sends dtype, not the shard's own dtype
+    send = shard.detach().to(dtype)
+    full = send.new_empty(send.numel() * dist.get_world_size())
+    dist.all_gather_into_tensor(full, send)
+    return full
+    # END SOLUTION
+
+
+def average_shard(full_grad: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the average over the ranks of `full_grad` (a padded vector of the same
+    length on every rank, in any dtype), computed and returned in float32."""
+    # HINT 1: one collective sums and splits: dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.AVG).
+    # HINT 2: cast the input to float32 BEFORE the collective: a bf16 sum over ranks loses the low bits of every gradient.
+    # BEGIN SOLUTION: return this rank's float32 shard of the average over ranks: one collective, done in float32
+    grad = full_grad.to(torch.float32)
+    shard = grad.new_empty(grad.numel() // dist.get_world_size())
+    dist.reduce_scatter_tensor(shard, grad, op=dist.ReduceOp.AVG)
+    return shard
+    # END SOLUTION
+
+
+class GatherUnit(torch.autograd.Function):
+    """unit's shard -> the whole unit (padded, compute dtype) in forward; in backward, the gradient of
+    the whole unit -> the average of this rank's shard of it."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, unit: "Unit") -> torch.Tensor:
+        ctx.unit = unit
+        return all_gather_flat(shard, unit.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # HINT 1: by now autograd has used every saved weight of this unit: the copy gathered for backward can go.
+        # HINT 2: ctx.unit.backward_copy = None; then return average_shard(grad), None (no gradient for `unit`).
+        # BEGIN SOLUTION: free the unit's copy gathered for backward, and return the gradient of the shard (the average over ranks), None for unit
+        ctx.unit.backward_copy = None
+        return average_shard(grad), None
+        # END SOLUTION
+
+
+class Unit:
+    """One layer's sharded parameters and the hooks that gather them when the layer runs."""
+
+    def __init__(self, module: nn.Module, names: list[str], dtype: torch.dtype):
+        self.module, self.names, self.dtype = module, names, dtype
+        params = [module._parameters[n] for n in names]
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        # HINT 1: the optimizer steps this tensor: it must be an nn.Parameter in float32 whatever the compute dtype (the master weight).
+        # BEGIN SOLUTION: self.shard: this rank's shard of flat, an fp32 nn.Parameter
+        self.shard = nn.Parameter(shard_of(flat.float(), dist.get_rank(), dist.get_world_size()))
+        # END SOLUTION
+        for n in names:  # the layer no longer holds them: they are gathered into plain attributes
+            del module._parameters[n]
+            setattr(module, n, None)
+        self.gathered = None        # the whole unit while the layer's forward runs
+        self.backward_copy = None   # the whole unit gathered again for backward
+        self.saving = None
+        module.register_forward_pre_hook(lambda m, args: self.before_forward())
+        module.register_forward_hook(lambda m, args, out: self.after_forward())
+
+    def place(self, full: torch.Tensor | None) -> None:
+        """Give the layer its parameters as views of the whole (padded) unit, or None."""
+        pieces = full[:sum(self.numels)].split(self.numels) if full is not None else [None] * len(self.names)
+        for name, piece, shape in zip(self.names, pieces, self.shapes):
+            setattr(self.module, name, piece.view(shape) if piece is not None else None)
+
+    def before_forward(self) -> None:
+        # HINT 1: GatherUnit.apply(self.shard, self) gathers the unit so that autograd connects it to the shard; self.place puts it in the layer.
+        # HINT 2: keep it in self.gathered (pack needs it), then open saved_tensors_hooks(self.pack, self.unpack) by hand: self.saving = ...; self.saving.__enter__()
+        # BEGIN SOLUTION: gather the unit through GatherUnit, place it in the layer, remember it in self.gathered, and enter saved-tensor hooks (self.pack, self.unpack) for the layer's forward
+        self.gathered = GatherUnit.apply(self.shard, self)
+        self.place(self.gathered)
+        self.saving = saved_tensors_hooks(self.pack, self.unpack)
+        self.saving.__enter__()
+        # END SOLUTION
+
+    def pack(self, tensor: torch.Tensor):
+        """What autograd keeps of a tensor it saves during this layer's forward."""
+        # HINT 1: a tensor that lives in the gathered unit's memory (same untyped_storage().data_ptr()) must not be kept: keep where it lies instead.
+        # HINT 2: return (tensor.storage_offset(), tensor.size(), tensor.stride()) for those, the tensor itself for every other.
+        # BEGIN SOLUTION: for a tensor in the gathered unit's memory, return only where it lies in it (offset, size, stride); any other tensor, itself
+        if self.gathered is not None and tensor.untyped_storage().data_ptr() == self.gathered.untyped_storage().data_ptr():
+            return tensor.storage_offset(), tensor.size(), tensor.stride()
+        return tensor
+        # END SOLUTION
+
+    def after_forward(self) -> None:
+        # HINT 1: leave the saved-tensor hooks (self.saving.__exit__(None, None, None)), then drop every reference to the gathered unit.
+        # BEGIN SOLUTION: leave the saved-tensor hooks and free the gathered unit: no attribute of the layer or of self refers to it
+        self.saving.__exit__(None, None, None)
+        self.saving = None
+        self.place(None)
+        self.gathered = None
+        # END SOLUTION
+
+    def unpack(self, packed):
+        """Autograd needs a saved tensor back, in backward."""
+        # HINT 1: a tuple is a place in the unit: gather the unit again (once per backward: keep it in self.backward_copy) and return the tensor at that place.
+        # HINT 2: if self.backward_copy is None: self.backward_copy = all_gather_flat(self.shard, self.dtype); return self.backward_copy.as_strided(size, stride, offset)
+        # BEGIN SOLUTION: a place in the unit -> that tensor, from the unit gathered again (once per backward, kept in self.backward_copy); anything else as it is
+        if not isinstance(packed, tuple):
+            return packed
+        offset, size, stride = packed
+        if self.backward_copy is None:
+            self.backward_copy = all_gather_flat(self.shard, self.dtype)
+        return self.backward_copy.as_strided(size, stride, offset)
+        # END SOLUTION
+
+
+class FullyShardedDP(nn.Module):
+    """ZeRO-3: wrap a model; .parameters() yields this rank's shards (and the replicated parameters)."""
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.compute_dtype = compute_dtype
+        self.names = [(name, p) for name, p in model.named_parameters()]  # every parameter, before sharding
+        self.units, self.where = [], {}  # where: id(parameter) -> (its unit, its index in the unit)
+        for module, names in find_units(model):
+            params = [module._parameters[n] for n in names]
+            unit = Unit(module, names, compute_dtype or torch.float32)
+            self.units.append(unit)
+            self.where.update({id(p): (unit, i) for i, p in enumerate(params)})
+        self.replicated = [(m, n, p) for m in model.modules() for n, p in m._parameters.items() if p is not None]
+        self.module = model
+        self.shards = nn.ParameterList([unit.shard for unit in self.units])
+
+    def forward(self, *args):
+        if self.compute_dtype is None:
+            return self.module(*args)
+        args = [a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+        casts = {id(p): p.to(self.compute_dtype) for _, _, p in self.replicated}  # one cast per Parameter
+        for m, n, p in self.replicated:
+            del m._parameters[n]
+            setattr(m, n, casts[id(p)])
+        try:
+            return self.module(*args)
+        finally:
+            for m, n, p in self.replicated:
+                delattr(m, n)
+                m._parameters[n] = p
+
+    def finish_gradient_sync(self) -> None:
+        """Call after backward: the shards have their averaged gradients already; average the rest."""
+        # HINT 1: the replicated parameters that got a gradient (frozen ones get none; a tied one is listed once per layer that holds it) need the average over the ranks.
+        # BEGIN SOLUTION: average over the ranks, in place, the gradient of every replicated parameter that has one, each Parameter once
+        done = set()
+        for _, _, p in self.replicated:
+            if p.grad is not None and id(p) not in done:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+                done.add(id(p))
+        # END SOLUTION
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model, whole, in float32, by its name in the model (every rank)."""
+        # HINT 1: for a sharded parameter: gather its unit in float32 (all_gather_flat), drop the padding, split by unit.numels and reshape; replicated ones are whole already.
+        # BEGIN SOLUTION: return {name: whole float32 tensor} for every name in self.names; sharded ones gathered, the padding dropped
+        gathered = {}
+        for name, p in self.names:
+            if id(p) not in self.where:
+                gathered[name] = p.detach().float().clone()
+                continue
+            unit, i = self.where[id(p)]
+            if id(unit) not in gathered:
+                gathered[id(unit)] = all_gather_flat(unit.shard, torch.float32)[:sum(unit.numels)].split(unit.numels)
+            gathered[name] = gathered[id(unit)][i].reshape(unit.shapes[i]).clone()
+        return {name: t for name, t in gathered.items() if isinstance(name, str)}
+        # END SOLUTION
+
+
+# --- The training that uses it ------------------------------------------------------------------
+
+
+def batches(rank: int, world_size: int):
+    """STEPS batches of this rank's own BATCH_PER_RANK digits (rank r takes the r-th slice of each
+    global batch)."""
+    x, y = digits(n=STEPS * BATCH_PER_RANK * world_size).tensors
+    for step in range(STEPS):
+        start = (step * world_size + rank) * BATCH_PER_RANK
+        yield x[start:start + BATCH_PER_RANK], y[start:start + BATCH_PER_RANK]
+
+
+if __name__ == "__main__":  # the check is in checks/lab16.py: you need not read it
+    from checks import lab16
+    lab16.run(SEED=SEED, STEPS=STEPS, LR=LR, MOMENTUM=MOMENTUM, make_model=make_model, find_units=find_units,
+              shard_of=shard_of, all_gather_flat=all_gather_flat, average_shard=average_shard,
+              FullyShardedDP=FullyShardedDP, batches=batches)
