@@ -108,7 +108,7 @@ def local_sums_finding(table: torch.Tensor, correct: torch.Tensor, losses: torch
     ways = readings(correct, losses, world_size)
     right = ways["right"]
     if close(table, right).all():
-        return float32_finding(table, right)
+        return None  # within the stated tolerance: a loss sum added up in float32 (4e-8 relative) passes too
     size = -(-n // world_size) * world_size
     whole = {  # mistakes that make all three sums wrong the same way
         "padded": f"you counted the padded duplicates: DistributedSampler repeats {size - n} sample(s) so every "
@@ -133,6 +133,10 @@ def local_sums_finding(table: torch.Tensor, correct: torch.Tensor, losses: torch
     # One or two of the three sums are wrong: say which, and what each one looks like.
     names = ("correct", "the count", "loss_sum")
     ok = close(table, right)
+    if ok[0] and ok[1] and not ok[2]:
+        low = low_precision_finding(table, right)
+        if low:
+            return low
     mask_says = {
         "padded": "includes the padding copies (is the mask applied to it?)",
         "off by one": f"includes the sample at position {n}, a padding copy (the mask must be positions < n_samples)",
@@ -176,15 +180,18 @@ def local_sums_finding(table: torch.Tensor, correct: torch.Tensor, losses: torch
     return "; ".join(said)
 
 
-def float32_finding(table: torch.Tensor, right: torch.Tensor) -> str | None:
-    """A float64 sum of hundreds of float32 losses (the right way) almost never fits in float32's
-    24 significant bits; one added up in float32 and converted at the end always does."""
-    many = table[:, 1] >= 64  # a sum of a few losses may fit by chance
+def low_precision_finding(table: torch.Tensor, right: torch.Tensor) -> str | None:
+    """A loss sum off by more than the tolerance, that fits in float16's or bfloat16's few significant
+    bits: added up in a 16-bit accumulator. (float32 accumulation of 1,001 losses stays within the
+    tolerance, 1e-6 relative, and is accepted.)"""
+    many = table[:, 1] >= 1  # a float32 or float64 sum fits in 16 bits only by a rare chance
     loss_sums = table[many, 2]
-    if len(loss_sums) and (loss_sums.float().double() == loss_sums).all():
-        return (f"loss_sum is {loss_sums[0].item()!r} on rank {int(many.nonzero()[0])}, where float64 gives "
-                f"{right[many, 2][0].item()!r}: every rank's loss_sum fits in float32's 24 significant bits, so it "
-                f"was added up in float32 and converted at the end, losing digits - add up in float64")
+    for dtype, bits in ((torch.float16, 11), (torch.bfloat16, 8)):
+        if len(loss_sums) and (loss_sums.to(dtype).double() == loss_sums).all():
+            return (f"loss_sum is {loss_sums[0].item()!r} on rank {int(many.nonzero()[0])}, where float64 gives "
+                    f"{right[many, 2][0].item()!r}: every rank's loss_sum fits in {str(dtype)[6:]}'s {bits} "
+                    f"significant bits, so it was added up in {str(dtype)[6:]} and converted at the end, losing "
+                    f"digits - add up in float64")
     return None
 
 

@@ -1,6 +1,6 @@
 """Chapter 10: the mistakes an exact distributed evaluation's check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 MUTATIONS = [
     Mutation("padded duplicates counted", "            real = positions < n_samples\n",
@@ -46,11 +46,11 @@ MUTATIONS = [
              "            sums[2] += losses[real].double().sum()\n    return sums\n",
              "            sums[2] += losses[real].double().mean()\n    model.train()\n    return sums\n",
              "adding up batch means", 4),
-    Mutation("float32 sums converted at the end",
+    Mutation("float16 sums converted at the end",  # float32 ones stay within the tolerance: CORRECT
              "            sums[2] += losses[real].double().sum()\n    return sums\n",
-             "            sums = sums.float()  # a float32 accumulator, as torch.zeros(3) makes\n"
-             "            sums[2] += losses[real].sum()\n    return sums.double()\n",
-             "added up in float32", 4),
+             "            sums = sums.half()  # a float16 accumulator\n"
+             "            sums[2] += losses[real].half().sum()\n    return sums.double()\n",
+             "added up in float16", 4),
     Mutation("count of batches", "sums[1] += real.sum()", "sums[1] += 1", "the number of batches", 2),
     Mutation("all_reduce inside local_sums", "    return sums\n", "    dist.all_reduce(sums)\n    return sums\n",
              "returned the totals over all ranks", 2),
@@ -61,6 +61,13 @@ MUTATIONS = [
              "            positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)\n"
              "            real = positions < n_samples\n",
              "no sample was counted as real on any rank", 3),
+]
+
+CORRECT = [  # a float32 loss sum of 1,001 losses is off by about 4e-8 relative, inside the check's 1e-6
+    Variant("float32 sums converted at the end",
+            "            sums[2] += losses[real].double().sum()\n    return sums\n",
+            "            sums = sums.float()  # a float32 accumulator, as torch.zeros(3) makes\n"
+            "            sums[2] += losses[real].sum()\n    return sums.double()\n", 4),
 ]
 
 NPROCS = (2, 3, 4, 5)
