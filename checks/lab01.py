@@ -148,7 +148,11 @@ def check_loader(checks: Checks, loader: DataLoader, dataset: Dataset) -> bool:
     if not sampler.shuffle:
         ok = checks.expect(False, "the DistributedSampler has shuffle=False: every epoch visits the samples in "
                                   "index order - pass shuffle=True")
-    if sampler.seed != lab.SEED:
+    if sampler.seed != lab.SEED and sampler.seed == 0 and lab.SEED != 0:
+        ok = checks.expect(False, f"the DistributedSampler's seed is 0, its default, not SEED={lab.SEED}: seed= was "
+                                  f"left out - pass seed=SEED, so the shuffle is the one you chose (and the same "
+                                  f"on every rank)")
+    elif sampler.seed != lab.SEED:
         ok = checks.expect(False, f"the DistributedSampler's seed is {sampler.seed}, not SEED={lab.SEED} - every rank "
                                   f"must shuffle with the same seed (seed + rank splits nothing: the ranks' "
                                   f"shares overlap)")

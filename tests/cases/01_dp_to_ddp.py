@@ -34,6 +34,10 @@ MUTATIONS = [
              "call loader.sampler.set_epoch(epoch)"),
     Mutation("set_epoch(0) every epoch", "        loader.sampler.set_epoch(epoch)\n",
              "        loader.sampler.set_epoch(0)\n", "call loader.sampler.set_epoch(epoch)", 2),
+    # REVIEW 3, F: with SEED = 0, the sampler's default, leaving seed= out passed
+    Mutation("sampler seed left out", SAMPLER,
+             "    sampler = DistributedSampler(dataset, shuffle=True)\n",
+             "seed= was left out", 2),
     Mutation("sampler seed differs by rank", SAMPLER,
              "    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED + dist.get_rank())\n",
              "every rank must shuffle with the same seed", 3),
