@@ -409,6 +409,40 @@ def check_backward(checks: Checks, got: dict, ref: dict, rank: int, world_size: 
                                                    f"{max_diff(got[name], ref[name]):.2e}: {hint}")
 
 
+def check_other_shapes(checks: Checks, rank: int, world_size: int, device: torch.device) -> None:
+    """x may be (N, C, ...): a sequence (N, C, L) and plain features (N, C), as BatchNorm1d takes them,
+    must be normalized over the global batch too. The lab's own (N, C, H, W) cannot tell code that sums
+    over dims (0, 2, 3) from code that sums over every dimension but the channels."""
+    for tail, label in (((5,), "(N, C, L)"), ((), "(N, C)")):
+        g = torch.Generator().manual_seed(SEED + len(tail))
+        n = sum(batch_sizes(world_size))
+        x, probe = (2.0 + 1.5 * torch.randn(n, CHANNELS, *tail, generator=g), torch.randn(n, CHANNELS, *tail, generator=g))
+        ref_bn, whole = make_bn(nn.BatchNorm1d), x.clone().requires_grad_(True)
+        ref_out = ref_bn(whole)
+        (ref_out * probe).sum().backward()
+        bn = make_bn(lab.HandSyncBatchNorm2d).to(device)
+        part = my_slice(x, rank, world_size).to(device).requires_grad_(True)
+        try:
+            out = bn(part)
+            (out * my_slice(probe, rank, world_size).to(device)).sum().backward()
+        except Exception as error:  # every rank has the same shapes: they fail alike, at the same call
+            checks.fail(f"HandSyncBatchNorm2d on an input of shape {label} raised {type(error).__name__}: "
+                        f"{str(error).splitlines()[0][:120]} - the statistics run over every dimension but the "
+                        f"channels (dim 1), however many there are: reduce_dims(x) and per_channel(t, x) do that")
+            return
+        wrong = [name for name, a, b in (("output", out, my_slice(ref_out, rank, world_size)),
+                                         ("the input gradient", part.grad, my_slice(whole.grad, rank, world_size)),
+                                         ("running_mean", bn.running_mean, ref_bn.running_mean),
+                                         ("running_var", bn.running_var, ref_bn.running_var))
+                 if a is None or not close(a.detach().cpu(), b.detach())]
+        if wrong:
+            checks.fail(f"on an input of shape {label} (the lab's own is (N, C, H, W)) {', '.join(wrong)} differ from "
+                        f"BatchNorm1d's on the global batch: the statistics run over every dimension but the "
+                        f"channels, however many there are - reduce_dims(x) and per_channel(t, x), not (0, 2, 3)")
+            return
+    checks.expect(True, "")
+
+
 def main(me: Rank, checks: Checks) -> None:
     with AsyncWatch() as watch:  # every rank makes the same collective calls, before any verdict
         got = mine(me.rank, me.world_size, me.device, watch)
@@ -440,6 +474,8 @@ def main(me: Rank, checks: Checks) -> None:
         return
     check_forward(checks, got, ref, me.rank, me.world_size)
     check_backward(checks, got, ref, me.rank, me.world_size)
+    if not checks.failures:  # the same on every rank: each makes the same collectives
+        check_other_shapes(checks, me.rank, me.world_size, me.device)
 
 
 def run(**learner) -> None:

@@ -82,3 +82,14 @@ CORRECT = [
             "    dist.all_reduce(squares)\n"
             "    var = squares / count\n", 3),
 ]
+
+MUTATIONS += [
+    # Inputs the lab's own run never uses: (N, C, L) and (N, C), which the contract allows
+    Mutation("statistics over dims (0, 2, 3) only", "    dims = reduce_dims(x)\n", "    dims = [0, 2, 3]\n",
+             "on an input of shape (N, C, L) raised", 2),
+    Mutation("backward's sums over dims (0, 2, 3) only", "        dims = reduce_dims(grad_out)\n",
+             "        dims = [0, 2, 3]\n", "the statistics run over every dimension but the channels", 3),
+    Mutation("normalized with 4-D views", "        x_hat = (x - per_channel(mean, x)) * per_channel(invstd, x)",
+             "        x_hat = (x - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)",
+             "reduce_dims(x) and per_channel(t, x)", 2),
+]
