@@ -243,7 +243,10 @@ def check_shards(checks: Checks, me: Rank, wrapped, plan, dtype) -> bool:
 
 
 def global_batch(step: int, world_size: int):
-    data = [list(lab.batches(r, world_size))[step] for r in range(world_size)]
+    """The global batch of this step and every rank's part of it (each rank's batches read once)."""
+    if getattr(lab, "_data", None) is None or len(lab._data) != world_size:
+        lab._data = [list(lab.batches(r, world_size)) for r in range(world_size)]
+    data = [steps[step] for steps in lab._data]
     return torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]), data
 
 

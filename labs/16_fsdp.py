@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ringside.data import digits
 
 SEED = 0
 STEPS = 4
@@ -226,9 +225,11 @@ class FullyShardedDP(nn.Module):
 
 
 def batches(rank: int, world_size: int):
-    """STEPS batches of this rank's own BATCH_PER_RANK digits (rank r takes the r-th slice of each
-    global batch)."""
-    x, y = digits(n=STEPS * BATCH_PER_RANK * world_size).tensors
+    """STEPS batches of this rank's own BATCH_PER_RANK samples (rank r takes the r-th slice of each
+    global batch): 64 random pixels and a label each, the same on every rank and every run."""
+    generator = torch.Generator().manual_seed(SEED)
+    n = STEPS * BATCH_PER_RANK * world_size
+    x, y = torch.rand(n, 64, generator=generator), torch.randint(0, 10, (n,), generator=generator)
     for step in range(STEPS):
         start = (step * world_size + rank) * BATCH_PER_RANK
         yield x[start:start + BATCH_PER_RANK], y[start:start + BATCH_PER_RANK]
