@@ -2,8 +2,9 @@
 
 Plain PyTorch, the standard library and tqdm: nothing from the course. The parts you replace for your
 own work are `build_datasets`, `build_model`, `loss_fn`, `metric_sums` with `BEST_METRIC`, and
-(maybe) `collate`, `split_batch` and `build_optimizer`; see template/README.md. Everything else (the process group, sharding, mixed precision, accumulation,
-exact evaluation, checkpoints, resume, SIGTERM) works as is on CPUs (gloo) and GPUs (nccl).
+(maybe) `collate`, `split_batch` and `build_optimizer`; see template/README.md. Everything else (the
+process group, sharding, mixed precision, accumulation, exact evaluation, checkpoints, resume,
+SIGTERM) works as is on CPUs (gloo) and GPUs (nccl).
 
 One machine (1 process, or one per GPU / 4 CPU processes):
     torchrun --standalone --nproc-per-node 1 template/train_ddp.py --out runs/demo
@@ -17,8 +18,9 @@ Two machines, c10d rendezvous (the same command on both; survives a crashed rank
 Slurm: template/train_ddp.sbatch. On several machines --out must be a folder that every machine sees.
 
 Run the same command again and it resumes from the newest OUT/checkpoint-<step>.pt (a new --out starts
-afresh; changed settings are refused, another --epochs or --max-steps too unless --new-schedule). `kill -TERM` (Slurm's preemption signal) saves a checkpoint
-within two steps and exits.
+afresh; changed settings are refused, another --epochs or --max-steps too unless --new-schedule).
+`kill -TERM` (Slurm's preemption signal) saves a checkpoint within two steps and exits, whenever it
+comes.
 """
 
 from __future__ import annotations
@@ -427,7 +429,8 @@ def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, devic
         dist.broadcast(buffer, 0)
     mine = Subset(val_set, range(rank, len(val_set), world_size))
     loader = DataLoader(mine, batch_size=args.batch_size, num_workers=0, pin_memory=device.type == "cuda",
-                        collate_fn=collate, generator=torch.Generator())  # its own: iterating must not move the global generator
+                        collate_fn=collate,
+                        generator=torch.Generator())  # its own: iterating must not move the global generator
     totals: dict[str, torch.Tensor] = {}
     for batch in loader:
         inputs, targets = to_device(split_batch(batch), device)
@@ -506,7 +509,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 KEPT_ON_RESUME = ("seed", "lr", "clip_grad", "amp", "sync_bn")
 
 
-def resume_problems(saved: dict, args: argparse.Namespace, world_size: int, total_steps: int | None = None) -> list[str]:
+def resume_problems(saved: dict, args: argparse.Namespace, world_size: int,
+                    total_steps: int | None = None) -> list[str]:
     """Why a checkpoint written with settings `saved` cannot go on with these; [] if it can."""
     problems = [f"--{k.replace('_', '-')} was {saved[k]}, now {getattr(args, k)}"
                 for k in KEPT_ON_RESUME if k in saved and saved[k] != getattr(args, k)]
@@ -791,9 +795,9 @@ def main() -> None:
                           "step_time_s": seconds / window["steps"],
                           "samples_per_s": window["steps"] * settings["global_batch"] / seconds}
                 eta = round((total_steps - step) * record["step_time_s"])
-                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  ETA %d:%02d:%02d",
-                         step, total_steps, record["loss"], record["grad_norm"], record["lr"], record["samples_per_s"],
-                         record["step_time_s"], eta // 3600, eta // 60 % 60, eta % 60)
+                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  "
+                         "ETA %d:%02d:%02d", step, total_steps, record["loss"], record["grad_norm"], record["lr"],
+                         record["samples_per_s"], record["step_time_s"], eta // 3600, eta // 60 % 60, eta % 60)
                 if is_main:
                     write_metrics(metrics, record, board)
                 window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
