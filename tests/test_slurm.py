@@ -33,9 +33,10 @@ SBATCH = ROOT / "template" / "train_ddp.sbatch"
 SCRIPT = ROOT / "template" / "train_ddp.py"
 DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd")
 CLIENTS = ("sbatch", "scancel", "scontrol", "squeue", "sinfo")
-# 2 processes x batch 16: 44 steps in an epoch; 40 steps, slowed to about 0.1 s each, with a log
-# line every 5 steps: the test sees where training is, and signals it mid-run.
-TRAIN = ["--epochs", "1", "--max-steps", "40", "--batch-size", "16", "--workers", "1", "--log-every", "5",
+# 2 processes x batch 16: 44 steps in an epoch; 60 steps, slowed to about 0.1 s each, with a log
+# line every 5 steps: the test sees where training is, and signals it at the first log line of each
+# attempt, with seconds of steps to go even when the signal takes long to come.
+TRAIN = ["--epochs", "2", "--max-steps", "60", "--batch-size", "16", "--workers", "1", "--log-every", "5",
          "--checkpoint-every", "1000"]
 SLOW = ["--step-delay", "0.1"]
 DEADLINE = 150  # seconds for a whole job, requeues included; anything longer is a hang
@@ -223,15 +224,15 @@ def test_sbatch_saves_requeues_and_resumes_bit_for_bit_and_scancel_does_not_requ
     plain = launch(SCRIPT, 2, "--out", str(tmp_path / "plain"), *TRAIN)  # uninterrupted, meanwhile
     assert plain.returncode == 0, (plain.stdout + plain.stderr)[-3000:]
 
-    wait_in_log(slurm, cancelled_log, r"step 5/40")
+    wait_in_log(slurm, cancelled_log, r"step 5/60")
     slurm.run("scancel", cancelled)
-    wait_in_log(slurm, stopped_log, r"step 5/40")
+    wait_in_log(slurm, stopped_log, r"step 5/60")
     slurm.run("scancel", "--batch", "--signal=USR2", stopped)
 
     stops = []
     for attempt in range(2):  # the time limit twice: in the first run, and in the requeued one
         start = wait_in_log(slurm, log, rf"job {job} \(restart {attempt}\)").end()
-        wait_in_log(slurm, log, r"step \d+/40", after=start)  # training: its first log line
+        wait_in_log(slurm, log, r"step \d+/60", after=start)  # training: its first log line
         slurm.run("scancel", "--batch", "--signal=USR1", job)
         saved = wait_in_log(slurm, log, r"SIGTERM: saved (\S+) at step (\d+)", after=start)
         stops.append((saved.group(1), int(saved.group(2))))
@@ -244,10 +245,10 @@ def test_sbatch_saves_requeues_and_resumes_bit_for_bit_and_scancel_does_not_requ
                            30, f"job {job} completed")
     text = log.read_text()
     assert state["Restarts"] == "2" and text.count("requeueing job") == 2, text[-4000:]
-    assert stops[0][1] < stops[1][1] < 40, stops
+    assert stops[0][1] < stops[1][1] < 60, stops
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     expected = json.loads((tmp_path / "plain" / "result.json").read_text())
-    assert result["step"] == 40 and result["world_size"] == 2, result
+    assert result["step"] == 60 and result["world_size"] == 2, result
     assert result["weights_sha256"] == expected["weights_sha256"], "stopped twice by Slurm and requeued: not bit for bit"
     assert "forcing job termination" not in text, text[-4000:]  # srun never turned a SIGTERM into SIGKILL
     assert not list((tmp_path / "run").glob(".*.tmp"))
@@ -267,4 +268,4 @@ def test_sbatch_saves_requeues_and_resumes_bit_for_bit_and_scancel_does_not_requ
     text = stopped_log.read_text()
     assert state["Restarts"] == "0" and "requeueing" not in text and "asked to stop" in text, text[-4000:]
     saved = re.search(r"SIGTERM: saved (\S+) at step (\d+)", text)
-    assert saved and torch.load(saved.group(1), weights_only=True)["step"] == int(saved.group(2)) < 40, text[-4000:]
+    assert saved and torch.load(saved.group(1), weights_only=True)["step"] == int(saved.group(2)) < 60, text[-4000:]
