@@ -560,7 +560,8 @@ def worker_init(worker_id: int) -> None:
     and SIG_IGN discards it before the unblock. And a worker dies with its training process
     (Linux: PR_SET_PDEATHSIG), even one killed with SIGKILL, instead of lingering for seconds."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if hasattr(signal, "pthread_sigmask"):  # (POSIX; Windows has no signal masks)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -573,6 +574,8 @@ def start_workers(loader: DataLoader):
     signal until worker_init ignores it). PyTorch's own SIGTERM handler, installed in a worker
     before worker_init runs, would otherwise let a signal in that window kill it. This process
     receives a SIGTERM that arrived meanwhile as soon as the signal is unblocked."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks (and no fork)
+        return iter(loader)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return iter(loader)
