@@ -378,6 +378,25 @@ def moments_shape_mistake(optimizer: lab.ShardedAdam, shard: int) -> str | None:
     return None
 
 
+def check_moments_follow_params(checks: Checks, me: Rank) -> bool:
+    """The moments take the parameters' dtype and device: float64 parameters here (a float32 moment
+    passes on a float32 CPU model, and loses precision, or fails on a GPU, elsewhere)."""
+    generator = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(7, generator=generator, dtype=torch.float64).to(me.device)),
+              nn.Parameter(torch.randn(3, generator=generator, dtype=torch.float64).to(me.device))]
+    optimizer = lab.ShardedAdam(params)
+    moments = {name: getattr(optimizer, name, None) for name in ("exp_avg", "exp_avg_sq")}
+    if not all(isinstance(m, torch.Tensor) for m in moments.values()):
+        return True  # named otherwise: the training step will say what is missing
+    for name, m in moments.items():
+        if m.dtype != torch.float64 or m.device != params[0].device:
+            return checks.expect(False, f"for float64 parameters on {params[0].device}, {name} is {str(m.dtype)[6:]} on "
+                                        f"{m.device}: create the moments with the parameters' dtype and device "
+                                        f"(dtype= and device= of the first parameter; torch.zeros(n) alone is "
+                                        f"float32 on the CPU)")
+    return True
+
+
 def train_both(checks: Checks, me: Rank) -> None:
     """DDP + torch.optim.Adam and your ShardedAdam, step by step on the same batches."""
     reference = DDP(lab.make_model().to(me.device), device_ids=[me.device.index] if me.device.type == "cuda" else None)
@@ -564,7 +583,8 @@ def check_traffic(checks: Checks, me: Rank, calls, numel: int) -> None:
 
 
 def main(me: Rank, checks: Checks) -> None:
-    for check in (check_flatten, check_shard_range, check_average, check_adam, check_gather):
+    for check in (check_flatten, check_shard_range, check_average, check_adam, check_gather,
+                  check_moments_follow_params):
         if not everyone(check(checks, me), me.device):
             return
     train_both(checks, me)

@@ -86,6 +86,11 @@ MUTATIONS = [
              "    param.addcdiv_(exp_avg, denominator, value=step_size)\n", "the step goes uphill", 2),
     Mutation("gathered slices not reshaped", "        p.copy_(new.view_as(p))\n", "        p.copy_(new)\n",
              "copy_ needs the parameter's shape", 2),
+    # REVIEW 3, F: moments made with torch.zeros(size) passed on a float32 CPU model
+    Mutation("moments ignore the parameters' dtype and device",
+             "        self.exp_avg = torch.zeros(self.stop - self.start, device=first.device, dtype=first.dtype)\n",
+             "        self.exp_avg = torch.zeros(self.stop - self.start)\n",
+             "create the moments with the parameters' dtype and device", 2),
     Mutation("one tensor for both moments", "        self.exp_avg_sq = torch.zeros_like(self.exp_avg)\n",
              "        self.exp_avg_sq = self.exp_avg\n", "exp_avg and exp_avg_sq are one tensor", 2),
     Mutation("moments sized numel // world_size",
