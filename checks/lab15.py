@@ -313,6 +313,13 @@ def diagnose_traffic(log, hosts_n, per_host, numel, where) -> str:
         return (f"{where}: the sum is right, but each rank sent {across} elements across hosts where its shard "
                 f"is {share} ({per_host}x the slow link's traffic): reduce-scatter inside the host first and "
                 f"all-reduce only your shard over peer_group")
+    if hosts_n > 1 and per_host > 1 and across > share:
+        divides = numel % per_host == 0
+        return (f"{where}: the sum is right, but each rank sent {across} elements across hosts where its shard is "
+                f"{share}: the padding is longer than it must be ({numel} elements "
+                f"{'already divide' if divides else 'need ' + str(share * per_host - numel) + ' zero(s) to divide'} "
+                f"by {per_host} ranks per host) - pad to the smallest multiple of the ranks per host, and not at "
+                f"all when the size divides")
     if per_host > 1 and any(c["name"] == "all_reduce" and c["group"] == "host" for c in log.calls):
         return (f"{where}: the sum is right, but an all-reduce ran inside the host, which sends twice what a "
                 f"reduce-scatter sends: reduce-scatter (each rank keeps one summed shard), then all-gather at the end")

@@ -62,7 +62,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, host_group, peer_group) -> tor
     flat = tensor.view(-1)
     local = dist.get_world_size(host_group)
     # (stuck? `make hint CH=15` prints hint 1 of 2; run it again for the next)
-    # TODO: a zero-padded copy of `flat` whose length is the smallest multiple of the ranks per host, and the shard size (its length / ranks per host)
+    # TODO: `padded`, a buffer that the host's reduce-scatter can split into equal shards, holding `flat` and nothing that changes the sum, no longer than it must be; and `shard`, one shard's size
     raise NotImplementedError("the TODO above")
     # (stuck? `make hint CH=15` prints hint 1 of 2; run it again for the next)
     # TODO: leave in `padded` the sum over all ranks, sending across hosts (peer_group) only this rank's shard

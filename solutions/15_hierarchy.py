@@ -70,9 +70,9 @@ def hierarchical_all_reduce(tensor: torch.Tensor, host_group, peer_group) -> tor
     all-reduce over its peers. Collectives only on these two groups, never on the default group."""
     flat = tensor.view(-1)
     local = dist.get_world_size(host_group)
-    # HINT 1: a reduce-scatter over the host needs a length that divides by the ranks per host: copy the tensor into a zero-padded buffer of ceil(numel / L) * L elements
+    # HINT 1: a reduce-scatter over the host needs a length that divides by the ranks per host: copy the tensor into a buffer padded with zeros up to ceil(numel / L) * L elements (no padding when numel divides)
     # HINT 2: shard = -(-flat.numel() // local); padded = torch.zeros(shard * local, dtype=flat.dtype, device=flat.device); padded[:flat.numel()] = flat
-    # BEGIN SOLUTION: a zero-padded copy of `flat` whose length is the smallest multiple of the ranks per host, and the shard size (its length / ranks per host)
+    # BEGIN SOLUTION: `padded`, a buffer that the host's reduce-scatter can split into equal shards, holding `flat` and nothing that changes the sum, no longer than it must be; and `shard`, one shard's size
     shard = -(-flat.numel() // local)  # ceil: zeros pad the last shard
     padded = torch.zeros(shard * local, dtype=flat.dtype, device=flat.device)
     padded[:flat.numel()] = flat

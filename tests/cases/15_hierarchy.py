@@ -41,6 +41,11 @@ MUTATIONS = [
              "    padded[:flat.numel()] = flat\n",
              "    shard = flat.numel() // local\n    padded = flat.clone()\n",
              "do not divide by 2 ranks per host: pad to a multiple", 2),
+    # REVIEW 3, F: one element of padding even when the size divides passed (lab 13 catches it)
+    Mutation("padding added even when the size divides",
+             "    shard = -(-flat.numel() // local)  # ceil: zeros pad the last shard\n",
+             "    shard = flat.numel() // local + 1  # always room for one more\n",
+             "the padding is longer than it must be", 4),
     Mutation("shard size rounded down", "    shard = -(-flat.numel() // local)  # ceil: zeros pad the last shard\n",
              "    shard = flat.numel() // local\n", "do not divide by 2 ranks per host: pad to a multiple", 2),
     Mutation("whole tensor all-reduced across hosts", SCATTER + ACROSS + GATHER,
