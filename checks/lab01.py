@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from ringside import Checks, pick_backend, run_lab
 from ringside.compare import all_gather_tensor, flat_params, max_diff
 from ringside.data import digits
-from ringside.lab import captured_stdout, ranks_label
+from ringside.lab import captured_stdout, ranks_count, ranks_label
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -159,7 +159,7 @@ def check_loader(checks: Checks, loader: DataLoader, dataset: Dataset) -> bool:
     if loader.batch_size != lab.BATCH_PER_RANK:
         if loader.batch_size == lab.BATCH_PER_RANK * world_size:
             hint = (f"that is the global batch: each rank's DataLoader takes BATCH_PER_RANK, and the "
-                    f"{world_size} ranks together make the global batch of {lab.BATCH_PER_RANK * world_size}")
+                    f"{ranks_count(world_size)} together make the global batch of {lab.BATCH_PER_RANK * world_size}")
         elif loader.batch_size == lab.BATCH_PER_RANK // world_size:
             hint = ("you divided the batch by world_size: the sampler already splits the data, and "
                     "BATCH_PER_RANK is each rank's batch")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder
+from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -247,7 +248,7 @@ def main(me: Rank, checks: Checks) -> None:
             if failed.item():
                 return
     print0(f"compared broadcast, gather and all_gather with torch.distributed's own: "
-           f"{len(SHAPES)} shapes x {len(DTYPES)} dtypes, every root, {world_size} ranks")
+           f"{len(SHAPES)} shapes x {len(DTYPES)} dtypes, every root, {ranks_count(world_size)}")
 
 
 def run(**learner) -> None:

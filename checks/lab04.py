@@ -17,7 +17,7 @@ from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import DryRun
 from ringside.compare import equal_on_all_ranks, max_diff
 from ringside.data import regression
-from ringside.lab import explain
+from ringside.lab import explain, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -42,7 +42,7 @@ def check_chunks(checks: Checks, device: torch.device) -> bool:
             checks.fail(f"ring_chunks on {numel} elements raised {type(error).__name__}: {error}")
             return False
         sizes = [c.numel() for c in chunks]
-        where = f"ring_chunks on {numel} elements for {world_size} ranks gave sizes {sizes}"
+        where = f"ring_chunks on {numel} elements for {ranks_count(world_size)} gave sizes {sizes}"
         if len(chunks) != world_size:
             return checks.expect(False, f"{where}: {len(chunks)} chunks, not {world_size} - every rank needs a chunk "
                                         f"even when they do not divide evenly (flat.chunk(n) may return fewer "
@@ -280,7 +280,7 @@ def run_ring(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[int, str |
         lab.ring_all_reduce(tensor)
         world_size, made = dist.get_world_size(), exchange.count()
         if made > 2 * (world_size - 1):  # the sum may still be right: a wasted step is seen only here
-            code, why = 2, (f"ring_all_reduce made {made} exchanges on {world_size} ranks, where the ring needs "
+            code, why = 2, (f"ring_all_reduce made {made} exchanges on {ranks_count(world_size)}, where the ring needs "
                             f"N - 1 = {world_size - 1} per phase, {2 * (world_size - 1)} in all: each extra step "
                             f"sends another chunk (each rank sends {made}/{world_size} of the tensor instead of "
                             f"2(N-1)/N) - run each phase for exactly N - 1 steps")

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.compare import all_gather_tensor, flat_grads, flat_params, max_diff
+from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -101,7 +102,7 @@ def flattens_right(checks: Checks, me: Rank, sizes: tuple[int, ...]) -> bool:
         why = ("a multiple of world_size, but pad only up to the NEXT one (no zeros when the total already is one: "
                "missing = -total % world_size)" if flat.numel() % me.world_size == 0
                else "pad with zeros so that every shard has the same size (reduce-scatter and all-gather need equal chunks)")
-        return checks.expect(False, f"flatten_padded of {total} elements at {me.world_size} ranks returned "
+        return checks.expect(False, f"flatten_padded of {total} elements at {ranks_count(me.world_size)} returned "
                                     f"{flat.numel()} elements, expected {want}: {why}")
     ok = torch.equal(flat[:total], real)
     checks.expect(ok, "flatten_padded changed the order or the values: the tensors must come first, flattened, in order")
@@ -138,7 +139,7 @@ def check_shard_range(checks: Checks, me: Rank) -> bool:
             checks.fail(f"shard_range({numel}): the shards repeat elements (element {repeated[0]} lies in two shards) - "
                         f"rank r's shard is [r * size, (r + 1) * size), the stop excluded")
         elif skipped:
-            checks.fail(f"shard_range({numel}) at {me.world_size} ranks: the shards skip {len(skipped)} element(s) "
+            checks.fail(f"shard_range({numel}) at {ranks_count(me.world_size)}: the shards skip {len(skipped)} element(s) "
                         f"(the first is {skipped[0]}) - round the shard size UP (the padding makes room), "
                         f"size = ceil({numel} / {me.world_size}) = {size}")
         elif ranges[:-1] == expected[:-1] and ranges[-1] == (expected[-1][0], numel):
@@ -146,7 +147,7 @@ def check_shard_range(checks: Checks, me: Rank) -> bool:
                         f"PADDED vector ({padded} elements), so every shard has {size} elements, the last one too "
                         f"(reduce-scatter hands out equal chunks)")
         elif len({stop - start for start, stop in ranges}) == 1 and ranges[0][1] - ranges[0][0] > size:
-            checks.fail(f"shard_range({numel}) at {me.world_size} ranks: the shards have {ranges[0][1] - ranges[0][0]} "
+            checks.fail(f"shard_range({numel}) at {ranks_count(me.world_size)}: the shards have {ranges[0][1] - ranges[0][0]} "
                         f"elements, more than ceil({numel} / {me.world_size}) = {size} - numel // world_size + 1 "
                         f"overshoots when numel is a multiple of world_size: size = -(-numel // world_size)")
         else:
@@ -457,7 +458,7 @@ def train_both(checks: Checks, me: Rank) -> None:
             return
     checks.expect(optimizer.steps == lab.STEPS, f"ShardedAdam.steps is {optimizer.steps} after {lab.STEPS} steps: "
                   f"count every step (Adam's bias correction needs it)")
-    print0(f"{lab.STEPS} steps: weights equal to DDP + torch.optim.Adam to within 1e-5 on {me.world_size} ranks")
+    print0(f"{lab.STEPS} steps: weights equal to DDP + torch.optim.Adam to within 1e-5 on {ranks_count(me.world_size)}")
 
 
 class WrongShardSize(Exception):

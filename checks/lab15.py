@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ringside import Checks, Rank, print0, run_lab
-from ringside.lab import known_cause
+from ringside.lab import known_cause, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -432,7 +432,7 @@ def hosts_do_not_divide(world_size: int) -> str | None:
     per_host = lab.ranks_per_host(world_size)
     if per_host < 1 or world_size % per_host:
         fits = [n for n in range(1, world_size + 1) if world_size % n == 0]
-        return (f"--ranks-per-host {per_host} does not cut {world_size} ranks into whole hosts: use "
+        return (f"--ranks-per-host {per_host} does not cut {ranks_count(world_size)} into whole hosts: use "
                 f"--ranks-per-host {' or '.join(map(str, fits))}, or --nproc-per-node a multiple of {per_host}")
     return None
 
