@@ -146,6 +146,10 @@ cluster-bench: setup ## (root) naive vs ring vs all_reduce on 2 and 4 hosts; wri
 cluster-overlap: setup ## (root) chapter 12: a DDP step with and without overlap on 2 hosts, RATE links; writes assets/cluster/overlap.json
 	$(PY) -m tools.overlap_bench --rate $(RATE)
 
+.PHONY: cluster-fsdp
+cluster-fsdp: setup ## (root) chapter 16: a ZeRO-3 step with and without prefetching on 2 hosts, RATE links; writes assets/16_fsdp/cluster.json
+	$(PY) -m tools.fsdp_bench --rate $(RATE)
+
 .PHONY: cluster-hierarchy
 cluster-hierarchy: setup ## (root) chapter 15: links, flat vs hierarchical all-reduce, DDP/FSDP/HSDP steps on 2 and 4 hosts x 2 ranks; writes assets/15_hierarchy/cluster.json
 	$(PY) -m tools.hierarchy_bench --rate $(RATE) --reps 7
