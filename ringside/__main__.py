@@ -15,11 +15,14 @@ def _agent_noise(line: str) -> bool:
     return len(line) > 6 and line[0] in "EWI" and line[1:5].isdigit() and "torch/distributed/elastic" in line
 
 
-def _filter_stderr(stream, held: list[str]) -> None:
+def _filter_stderr(stream, held: list[str], refused: list[str]) -> None:
     """Pass a job's stderr through, minus torchrun's log lines; torchrun's own traceback (its
-    ChildFailedError, always the last thing it prints) goes to `held` instead."""
+    ChildFailedError, always the last thing it prints) goes to `held` instead, and a lab's refusal of
+    this world size ("... cannot check 1 rank: ...") is also noted in `refused`."""
     block: list[str] = []
     for line in stream:
+        if " cannot check " in line:
+            refused.append(line)
         if held:  # past torchrun's traceback: the rest is its failure table
             held.append(line)
         elif block:
@@ -41,11 +44,13 @@ def run_for_learner(script: str, nproc: int, *args: str) -> int:
     """Run a lab under torchrun for a person at a terminal, every rank's output as it comes, so
     that a lab's verdict is the last thing on screen: torchrun's own ChildFailedError traceback and
     SIGTERM warnings after a lab that reported (55 lines that make a clear verdict look like a
-    crash) are dropped. A lab that crashed before it could report keeps them."""
+    crash) are dropped, and so are they after a lab's one-line refusal of the world size. A lab that
+    crashed before it could report keeps them."""
     proc = subprocess.Popen(torchrun_command(script, nproc, *args, all_ranks=True), env=quiet_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     held: list[str] = []
-    errors = threading.Thread(target=_filter_stderr, args=(proc.stderr, held))
+    refused: list[str] = []
+    errors = threading.Thread(target=_filter_stderr, args=(proc.stderr, held, refused))
     errors.start()
     reported = False
     for line in proc.stdout:
@@ -54,7 +59,7 @@ def run_for_learner(script: str, nproc: int, *args: str) -> int:
         reported = reported or line.rstrip().endswith(("PASS.", "PASSES.", "and run again."))
     code = proc.wait()
     errors.join()
-    if not reported:
+    if not reported and not refused:  # a refusal is one line: it needs no failure report under it
         sys.stderr.write("".join(held))
     return code
 

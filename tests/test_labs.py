@@ -64,6 +64,18 @@ def test_lab_05_under_torchrun_forms_every_group():
     assert "tcp:// formed a group of 2" in result.stdout and pass_line(2) in result.stdout
 
 
+def test_make_lab_shows_a_refusal_as_one_line_without_torchrun_report():
+    """`make lab CH=10 NPROC=1` (python -m ringside): the learner sees why and what to run, not
+    torchrun's ChildFailedError report under it."""
+    from ringside.launch import quiet_env
+
+    result = subprocess.run([sys.executable, "-m", "ringside", "1", "solutions/10_dist_eval.py"], cwd=ROOT,
+                            env=quiet_env(), capture_output=True, text=True, timeout=180)
+    said = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode != 0 and len(said) == 1, result.stderr[-3000:]
+    assert said[0].startswith("Lab 10 (dist_eval) cannot check 1 rank: ") and "use --nproc-per-node 2" in said[0]
+
+
 def refusal_cases():
     for path in solutions():
         for nproc in refuses(path.stem):
