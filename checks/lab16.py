@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -425,7 +426,7 @@ def train(checks: Checks, me: Rank) -> bool:
             dist.all_gather_object(same, {n: t.sum().item() for n, t in full.items()})
             if any(s != same[0] for s in same):
                 return checks.expect(False, "full_parameters() differs between the ranks")
-    print0(f"{lab.STEPS} steps of SGD with momentum at {me.world_size} ranks: weights equal to one process on "
+    print0(f"{lab.STEPS} steps of SGD with momentum at {ranks_count(me.world_size)}: weights equal to one process on "
            f"the global batch (largest difference {gap:.1e}, tolerance {limit:g})")
     return checks.expect(True, "")
 

@@ -1,7 +1,7 @@
 """Chapter 16: the mistakes of fully sharded data parallel (ZeRO-3) by hand, each of which the lab's
 check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 MUTATIONS = [
     Mutation("shard of the wrong rank", "    start = rank * size\n", "    start = (world_size - 1 - rank) * size\n",
@@ -58,4 +58,17 @@ MUTATIONS = [
     Mutation("views include a padding offset", "        pieces = full[:sum(self.numels)].split(self.numels)",
              "        pieces = full[-sum(self.numels):].split(self.numels)",
              "are the layer's views the first numel elements of the gathered unit", 2),
+]
+
+
+# Right code written otherwise: the check must pass it.
+CORRECT = [
+    Variant("all-gather into a list of tensors, then cat",
+            "    full = send.new_empty(send.numel() * dist.get_world_size())\n"
+            "    dist.all_gather_into_tensor(full, send)\n    return full\n",
+            "    pieces = [torch.empty_like(send) for _ in range(dist.get_world_size())]\n"
+            "    dist.all_gather(pieces, send)\n    return torch.cat(pieces)\n", 3),
+    Variant("reduce with SUM, then divide in fp32",
+            "    dist.reduce_scatter_tensor(shard, grad, op=dist.ReduceOp.AVG)\n    return shard\n",
+            "    dist.reduce_scatter_tensor(shard, grad)\n    return shard / dist.get_world_size()\n", 3),
 ]
