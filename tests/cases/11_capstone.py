@@ -2,7 +2,9 @@
 
 from mutation import Mutation
 
-NPROCS = (1, 2, 3, 4)  # 5 ranks on 2 cores: 30 s for nothing new
+# Chapter 11's notebook runs the capstone under torchrun at 1, 2 and 4 ranks and asserts the check's PASS
+# (nbval, in make test): here the size it does not, and 2 nodes x 2 ranks.
+NPROCS = (3,)
 NODES = True
 
 AUTOCAST = ("    with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):\n"

@@ -5,7 +5,7 @@ Each chapter has a file tests/cases/NN_slug.py with
                           words the diagnosis must contain, number of ranks), ...]
     CORRECT = [Variant(what is different, text in the solution, what replaces it, number of ranks)]
                         # optional: right answers written otherwise, which the check must pass
-    NPROCS = (2, 4)     # optional: the rank counts its solution must pass at (default 1 to 5)
+    NPROCS = (2, 4)     # optional: the rank counts its solution must pass at (default 1 to 4)
     REFUSES = (1,)      # optional: rank counts its check cannot tell right from wrong: it must refuse them
     NODES = True        # optional: it reads LOCAL_RANK, picks a device or works on rank 0 only: run it
                         # at 2 nodes x 2 ranks too (RANK != LOCAL_RANK)
@@ -59,7 +59,7 @@ def variants() -> dict[str, list[Variant]]:
 
 def nprocs(stem: str) -> tuple[int, ...]:
     module = chapter_cases().get(stem)
-    return tuple(getattr(module, "NPROCS", (1, 2, 3, 4, 5)))
+    return tuple(getattr(module, "NPROCS", (1, 2, 3, 4)))
 
 
 def refuses(stem: str) -> tuple[int, ...]:
