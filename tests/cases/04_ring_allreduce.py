@@ -6,7 +6,7 @@ SCATTER = ("        arrived = landing[:chunks[receive].numel()]\n"
            "        send_right_receive_left(chunks[send], arrived)\n"
            "        chunks[receive] += arrived\n")
 COPY_BACK = "        g.copy_(flat[offset:offset + g.numel()].view_as(g))\n"
-EXCHANGE = "    ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]\n"
+EXCHANGE = "    ops = [dist.P2POp(dist.irecv, incoming, left), dist.P2POp(dist.isend, outgoing, right)]\n"
 WAIT = "    for request in dist.batch_isend_irecv(ops):\n        request.wait()\n"
 
 MUTATIONS = [
@@ -55,7 +55,7 @@ MUTATIONS = [
              "    tensor /= world_size\n    return tensor\n\n\n# --- Your part 2",
              "ring_all_reduce sums; averaging is the caller's job", 4),
     Mutation("blocking recv before send deadlocks",
-             "    ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]\n"
+             "    ops = [dist.P2POp(dist.irecv, incoming, left), dist.P2POp(dist.isend, outgoing, right)]\n"
              "    for request in dist.batch_isend_irecv(ops):\n        request.wait()\n",
              "    dist.recv(incoming, src=left)\n    dist.send(outgoing, dst=right)\n",
              "likely a deadlock", 2),
@@ -73,7 +73,7 @@ MUTATIONS = [
     # Found by a learner (issue 19): passed at 2 ranks, "an off-by-one chunk index?" at 3; the dry run
     # plays a 3-rank ring, so 2 ranks show it too
     Mutation("ring direction reversed", EXCHANGE,
-             "    ops = [dist.P2POp(dist.isend, outgoing, left), dist.P2POp(dist.irecv, incoming, right)]\n",
+             "    ops = [dist.P2POp(dist.irecv, incoming, right), dist.P2POp(dist.isend, outgoing, left)]\n",
              "the ring goes the other way", 2),
     # Found by a learner: a timeout inside the check's own all_reduce, or "Connection reset by peer"
     Mutation("only the first request waited", WAIT, "    dist.batch_isend_irecv(ops)[0].wait()\n",
