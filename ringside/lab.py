@@ -207,6 +207,27 @@ def refusal(title: str, world_size: int, why: str) -> str:
     return f"{title} cannot check {ranks_count(world_size)}: {why}"
 
 
+REFUSAL_WAIT = timedelta(seconds=60)
+
+
+def refuse_and_exit(line: str, rank: int, wait: timedelta = REFUSAL_WAIT) -> NoReturn:
+    """Rank 0 prints the refusal; no rank exits before it has (REVIEW A: under torchrun, a rank that
+    exits with status 2 makes torchrun stop the others, so rank 0 was often stopped before it could
+    print). Every rank decides the refusal by itself (same world size, same arguments); rank 0 prints
+    first, with no communication before it, then every rank meets at a barrier of a small gloo group
+    and only then exits. A rank that cannot reach the others (no group within `wait`) exits anyway:
+    rank 0's line is already out by then."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=wait)
+        dist.barrier()
+    except Exception:  # the line is printed (rank 0) or rank 0 is gone: nothing left to wait for
+        pass
+    finish(EXIT_USAGE)
+
+
 def run_lab(
     main: Callable[..., None],
     title: str,
@@ -224,9 +245,7 @@ def run_lab(
     rank, world_size, _ = identity_from_env()
     why = refuse(world_size) if refuse is not None else None
     if why:
-        if rank == 0:
-            print(refusal(title, world_size, why), file=sys.stderr, flush=True)
-        finish(EXIT_USAGE)
+        refuse_and_exit(refusal(title, world_size, why), rank)
     checks = Checks(rank)
     try:
         if init:
