@@ -41,31 +41,43 @@ def values_for(case: int, rank: int) -> int:
     return (10 * rank + 3, -7 * rank - 2, rank)[case]
 
 
-def diagnose_sum(total, values: list[int], mine: int) -> str:
-    """What `total` is, if not the sum, and the likely mistake."""
+def diagnose_sum(totals: list, values: list[int]) -> str:
+    """What the totals are, if not the sum, and the likely mistake: a mistake is named only when its
+    prediction matches what every rank returned (rank 2's own value may be the largest too)."""
     world_size = len(values)
     product = 1
     for v in values:
         product *= v
+    every = lambda predicted: all(t == p for t, p in zip(totals, predicted))  # noqa: E731
+    same = lambda x: [x] * world_size  # noqa: E731
     fits = []
-    if total == mine:
-        fits.append("this rank's own value - did you call dist.all_reduce, and read the result from the "
+    if every(values):
+        fits.append("each rank's own value - did you call dist.all_reduce, and read the result from the "
                     "same tensor you passed to it (it works in place; a copy or a new tensor keeps the old value)?")
-    if total == max(values):
+    if every(same(max(values))):
         fits.append("the largest value - did you reduce with MAX instead of SUM?")
-    if total == min(values):
+    if every(same(min(values))):
         fits.append("the smallest value - did you reduce with MIN instead of SUM?")
-    if total == product:
+    if every(same(product)):
         fits.append("the product - did you reduce with PRODUCT instead of SUM?")
-    if world_size > 1 and (total * world_size == sum(values) or total == sum(values) // world_size):
+    if world_size > 1 and all(t is not None and (t * world_size == sum(values) or t == sum(values) // world_size)
+                              for t in totals):
         fits.append(f"the mean - did you divide by world_size ({world_size})? The sum is asked for")
-    if total == sum(range(world_size)) != sum(values):
+    if every(same(sum(range(world_size)))) and sum(range(world_size)) != sum(values):
         fits.append("0+1+...+N-1 - you added the rank numbers, not the values passed in")
-    return " or ".join(fits) if fits else "add every rank's value with dist.all_reduce(t, op=dist.ReduceOp.SUM)"
+    if totals[0] == sum(values) and not every(same(sum(values))):
+        fits.append("right on rank 0 only - dist.reduce leaves the sum on one rank; all_reduce leaves it on "
+                    "every rank")
+    if fits:
+        return "it is " + " or ".join(fits)
+    wrong = [r for r, t in enumerate(totals) if t != sum(values)]
+    return (f"the ranks returned {totals} (wrong on {'rank' if len(wrong) == 1 else 'ranks'} "
+            f"{', '.join(map(str, wrong))}) - every rank must return the sum of all ranks' values")
 
 
 def check_sum(checks: Checks, device: torch.device) -> None:
-    """Three sets of values (positive, negative, the rank numbers) against Python's sum; exact (ints)."""
+    """Three sets of values (positive, negative, the rank numbers) against Python's sum; exact (ints).
+    Observed: what each rank returns, and that the caller's value is an int it keeps."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for case in range(3):
         values = [values_for(case, r) for r in range(world_size)]
@@ -80,15 +92,16 @@ def check_sum(checks: Checks, device: torch.device) -> None:
         expected = sum(values)
         totals = [None] * world_size
         dist.all_gather_object(totals, total)
-        if total != expected and totals[0] == expected:
-            hint = ("right on rank 0 only - dist.reduce leaves the sum on one rank; all_reduce leaves it on "
-                    "every rank")
-        else:
-            hint = diagnose_sum(total, values, values[rank])
+        steps = [f"call it yourself as the check did (rank r passes the r-th of {values}) and print what "
+                 f"every rank returns: ringside.print_ranked(str(sum_over_ranks(value, device)))",
+                 f"all {world_size} ranks must return {expected}, here they returned {totals}: look at which "
+                 f"collective and which reduce op made them, and from which tensor you read the result"]
         checks.expect(total == expected, f"with values {values} on the ranks, sum_over_ranks gave "
-                                         f"{total}, expected {expected}: it is {hint}")
+                                         f"{total}, expected {expected}: {diagnose_sum(totals, values)}", steps)
         if any(t != expected for t in totals):  # every rank stops at the first case wrong anywhere
             return
+        checks.expect(type(total) is int or (isinstance(total, int) and not isinstance(total, bool)),
+                      f"sum_over_ranks returned a {type(total).__name__} ({total!r}): return a Python int")
 
 
 def main(me: Rank, checks: Checks) -> None:

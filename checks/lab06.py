@@ -35,8 +35,10 @@ class Shard(NamedTuple):
     seed: int
     drop_last: bool
 
-    def __str__(self) -> str:
-        return ", ".join(f"{name}={value}" for name, value in self._asdict().items())
+    def __str__(self) -> str:  # the call that gives this list, with shard_indices' own argument names
+        names = dict(self._asdict(), num_replicas=self.world_size)
+        return "shard_indices(" + ", ".join(f"{name}={names[name]}" for name in (
+            "n", "num_replicas", "rank", "epoch", "shuffle", "seed", "drop_last")) + ")"
 
 
 # Every rank of every setting of the grid. shard_indices is a plain function, so each process checks

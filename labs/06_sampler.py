@@ -72,7 +72,7 @@ def train(dataset: TensorDataset, device: torch.device, epochs: int = 3, batch_s
     seen = []
     for epoch in range(epochs):
         # (stuck? `make hint CH=06` prints hint 1 of 2; run it again for the next)
-        # TODO: bug hunt - one line is missing from this loop, and the model learns less from epochs 2 and 3 than it should. Delete this raise, run the lab and read what the check found
+        # TODO: bug hunt - one line is missing from this loop: every sample is still read each epoch and the loss still goes down, but from the second epoch on the global batches replay the first epoch's (the randomness of SGD is lost, not data). Delete this raise, run the lab and read what the check found
         raise NotImplementedError("the TODO above")
         order = []
         for x, y, index in loader:

@@ -12,7 +12,9 @@ status on every rank: 0 only when all ranks pass.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import linecache
 import sys
 import traceback
@@ -34,13 +36,18 @@ class Checks:
     def __init__(self, rank: int):
         self.rank = rank
         self.failures: list[str] = []
+        self.steps: dict[str, list[str]] = {}  # diagnosis -> what to look at next (`make hint`)
         self.count = 0
 
-    def expect(self, ok: bool, diagnosis: str) -> bool:
-        """Record one check; `diagnosis` says what is wrong and the likely mistake when ok is False."""
+    def expect(self, ok: bool, diagnosis: str, steps: list[str] | tuple[str, ...] = ()) -> bool:
+        """Record one check; `diagnosis` says what is wrong and the likely mistake when ok is False.
+        `steps` (optional): what to look at next, each one more specific than the one before, for a
+        learner stuck on this FAIL: `make hint` gives them one at a time after the run."""
         self.count += 1
         if not ok:
             self.failures.append(diagnosis)
+            if steps:
+                self.steps[diagnosis] = list(steps)
         return bool(ok)
 
     def fail(self, diagnosis: str) -> None:
@@ -145,23 +152,63 @@ def report(checks: Checks, title: str, timeout: timedelta = DEFAULT_TIMEOUT) -> 
         # out (after `timeout`, perhaps twice), so this wait is longer: no verdict is lost.
         group = dist.new_group(backend="gloo", timeout=max(3 * timeout, timedelta(seconds=60)))
         verdicts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, (checks.count, checks.failures), group=group)
+        dist.all_gather_object(verdicts, (checks.count, checks.failures, checks.steps), group=group)
     except Exception as error:  # no common report is possible: each rank speaks for itself
         print(f"rank {checks.rank}: could not gather the other ranks' results ({error})", flush=True)
         for diagnosis in checks.failures:
             print(f"rank {checks.rank}: FAIL - {diagnosis}", flush=True)
         return EXIT_FAIL
-    failing = [r for r, (count, failures) in enumerate(verdicts) if failures or count == 0]
+    failing = [r for r, (count, failures, _) in enumerate(verdicts) if failures or count == 0]
     if checks.rank == 0:
         print(f"\n== {title}: self-check on {ranks_count(len(verdicts))} ==")
-        for line in verdict_lines(verdicts):
+        for line in verdict_lines([(count, failures) for count, failures, _ in verdicts]):
             print(line)
         if failing:
             print(f"{len(failing)} of {ranks_count(len(verdicts))} FAIL: fix the first message above and run again.")
         else:
             print(pass_line(len(verdicts)))
         flush()
+        record_last_run(verdicts)
     return EXIT_FAIL if failing else EXIT_PASS
+
+
+def _without_rank(diagnosis: str, rank: int) -> str:
+    for prefix in (f"rank {rank}: ", f"rank {rank}, ", f"Rank {rank}: ", f"Rank {rank}, "):
+        if diagnosis.startswith(prefix):
+            return diagnosis[len(prefix):]
+    return diagnosis
+
+
+def last_run_file(root: Path, chapter: str) -> Path:
+    """Where a lab's last verdict is kept for `make hint` (.hints/ is the learner's, never committed)."""
+    return root / ".hints" / f"{chapter}.last-run.json"
+
+
+def record_last_run(verdicts: list[tuple[int, list[str], dict[str, list[str]]]]) -> None:
+    """After a run of a learner's lab (labs/NN_*.py, not a solution): keep its first failing
+    diagnosis, the ranks that share it, the check's next steps for it and the lab's text hash, so that
+    `make hint CH=NN` can go on from that diagnosis, one step each time; a PASS clears it."""
+    script = Path(sys.argv[0]).resolve()
+    if script.parent.name != "labs" or not script.name[:2].isdigit():
+        return
+    state = last_run_file(script.parent.parent, script.name[:2])
+    first = next(((rank, failures[0] if failures else "no check ran", steps)
+                  for rank, (count, failures, steps) in enumerate(verdicts) if failures or count == 0), None)
+    try:
+        if first is None:
+            state.unlink(missing_ok=True)
+            return
+        rank, diagnosis, steps = first
+        said = _without_rank(diagnosis, rank)
+        ranks = [r for r, (count, failures, _) in enumerate(verdicts)
+                 if said in [_without_rank(d, r) for d in failures] or (not failures and count == 0 and said == diagnosis)]
+        state.parent.mkdir(exist_ok=True)
+        state.write_text(json.dumps({
+            "lab": script.name, "sha256": hashlib.sha256(script.read_bytes()).hexdigest(),
+            "world_size": len(verdicts), "ranks": ranks or [rank], "diagnosis": said,
+            "steps": steps.get(diagnosis, []), "shown": 0}, indent=1))
+    except OSError:  # a read-only checkout: the verdict stands, only the hint is lost
+        pass
 
 
 def ranks_count(n: int) -> str:
@@ -192,10 +239,7 @@ def verdict_lines(verdicts: list[tuple[int, list[str]]]) -> list[str]:
         if not failures and count == 0:
             shared.setdefault("FAIL - no check ran", []).append(rank)
         for diagnosis in failures:
-            for prefix in (f"rank {rank}: ", f"rank {rank}, ", f"Rank {rank}: ", f"Rank {rank}, "):
-                if diagnosis.startswith(prefix):
-                    diagnosis = diagnosis[len(prefix):]
-            shared.setdefault(f"FAIL - {diagnosis}", []).append(rank)
+            shared.setdefault(f"FAIL - {_without_rank(diagnosis, rank)}", []).append(rank)
         if failures or count == 0:
             continue
         shared.setdefault(f"PASS ({count} checks)", []).append(rank)

@@ -87,7 +87,7 @@ def train(dataset: TensorDataset, device: torch.device, epochs: int = 3, batch_s
     for epoch in range(epochs):
         # HINT 1: the order comes from the sampler: what must it be told to draw a new permutation each epoch? (section 2 of the notebook)
         # HINT 2: DistributedSampler shuffles with seed + epoch, and only learns the epoch from sampler.set_epoch(epoch)
-        # BEGIN SOLUTION: bug hunt - one line is missing from this loop, and the model learns less from epochs 2 and 3 than it should. Delete this raise, run the lab and read what the check found
+        # BEGIN SOLUTION: bug hunt - one line is missing from this loop: every sample is still read each epoch and the loss still goes down, but from the second epoch on the global batches replay the first epoch's (the randomness of SGD is lost, not data). Delete this raise, run the lab and read what the check found
         sampler.set_epoch(epoch)
         # END SOLUTION
         order = []

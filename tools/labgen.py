@@ -14,7 +14,10 @@ and becomes, in `labs/NN_slug.py`,
 The TODO says what to achieve, not the code. Help comes when the learner asks for it: lines
 `# HINT 1: ...`, `# HINT 2: ...` directly above a BEGIN line stay out of the lab (it gets one line
 saying where the hints are) and `make hint CH=NN` prints them for the first open TODO, one more
-each time it is run (it remembers in .hints/), then points to the solution.
+each time it is run (it remembers in .hints/), then points to the solution. Once no TODO is open,
+it goes on from the lab's last FAIL instead (run_lab records it in .hints/NN.last-run.json): the
+function the diagnosis concerns, the check's own next steps for that diagnosis, that function's hints,
+then the solution, one step more specific each time.
 
 Usage: python -m tools.labgen [--check]          (--check: exit 1 if labs/ differs, write nothing)
        python -m tools.labgen --hint NN          (the next hint for the first TODO still open in labs/NN_*)
@@ -22,6 +25,7 @@ Usage: python -m tools.labgen [--check]          (--check: exit 1 if labs/ diffe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -109,8 +113,7 @@ def show_hint(root: Path, chapter: str, level: int | None = None) -> int:
     lab, solution = labs[0], root / "solutions" / labs[0].name
     todos = open_todos(lab.read_text())
     if not todos:
-        print(f"{lab.relative_to(root)} has no open TODO: run it (make lab CH={chapter}) and read its verdict.")
-        return 0
+        return show_failure_hint(root, chapter, lab, solution, level)
     hints = hints_by_todo(solution.read_text()).get(todos[0], [])
     memory = root / ".hints" / f"{chapter}.json"
     shown = json.loads(memory.read_text()) if memory.exists() else {}
@@ -126,6 +129,100 @@ def show_hint(root: Path, chapter: str, level: int | None = None) -> int:
     else:
         print(f"No hint {level}{f' (there are {len(hints)})' if hints else ''}. "
               f"Still stuck? The finished code is in {solution.relative_to(root)}.")
+    return 0
+
+
+DEF = re.compile(r"^(?P<indent>\s*)(?:async\s+)?def (?P<name>\w+)\(")
+
+
+def blocks_by_function(source: str) -> dict[str, list[str]]:
+    """Function name -> the TODO messages of the blocks inside it, in order (from a solution)."""
+    found: dict[str, list[str]] = {}
+    defs: list[tuple[int, str]] = []  # (indent, name) of the functions around the current line
+    for line in source.splitlines():
+        match, begin = DEF.match(line), BEGIN.match(line)
+        if line.strip() and not line.lstrip().startswith(("#", ")", '"')):
+            indent = len(line) - len(line.lstrip())
+            defs = [d for d in defs if d[0] < indent]
+        if match:
+            defs.append((len(match["indent"]), match["name"]))
+        elif begin and defs:
+            found.setdefault(defs[-1][1], []).append(begin["todo"])
+    return found
+
+
+def function_at(text: str, line_number: int) -> str | None:
+    """The function that a (1-based) line of a lab lies in."""
+    lines = text.splitlines()[:line_number]
+    indent = len(lines[-1]) - len(lines[-1].lstrip()) if lines else 0
+    for line in reversed(lines):
+        match = DEF.match(line)
+        if match and len(match["indent"]) < indent:
+            return match["name"]
+    return None
+
+
+def concerned_function(diagnosis: str, lab: Path, blocks: dict[str, list[str]]) -> str | None:
+    """The learner's function a diagnosis is about: the line of the lab it points to, else the first
+    of the lab's functions that it names, else the only one there is."""
+    where = re.search(rf"labs/{re.escape(lab.name)}:(\d+)", diagnosis)
+    if where:
+        name = function_at(lab.read_text(), int(where[1]))
+        if name in blocks:
+            return name
+    named = [name for name in blocks if re.search(rf"\b{re.escape(name)}\b", diagnosis)]
+    if named:
+        return min(named, key=lambda name: diagnosis.index(name))
+    return next(iter(blocks)) if len(blocks) == 1 else None
+
+
+def failure_steps(state: dict, lab: Path, solution: Path) -> list[str]:
+    """The ladder for a failed run: where to look, the check's steps for that diagnosis, the hints
+    of the function concerned, each one more specific than the last."""
+    source = solution.read_text()
+    blocks, hints = blocks_by_function(source), hints_by_todo(source)
+    name = concerned_function(state["diagnosis"], lab, blocks)
+    steps = []
+    if name:
+        todos = blocks[name]
+        steps.append(f"the diagnosis is about `{name}` in {lab.parent.name}/{lab.name} (its TODO: {todos[0]}); "
+                     f"reread its docstring: the check tests it on more inputs than the lab's own run")
+    else:
+        steps.append("the diagnosis names no function of yours: it is about the result of the whole run; "
+                     "compare what it says was observed with what the lab's docstring asks for")
+    steps += list(state.get("steps") or [])
+    for todo in (blocks[name] if name else []):
+        steps += [f"the TODO's hint {n} of {len(hints.get(todo, []))}: {hint}"
+                  for n, hint in enumerate(hints.get(todo, []), start=1)]
+    return steps
+
+
+def show_failure_hint(root: Path, chapter: str, lab: Path, solution: Path, level: int | None = None) -> int:
+    """The next step from the lab's last FAIL (recorded by run_lab), once no TODO is open."""
+    state_file = root / ".hints" / f"{chapter}.last-run.json"
+    shown_lab = lab.relative_to(root)
+    if not state_file.exists():
+        print(f"{shown_lab} has no open TODO, and no failed run of it is recorded: run it "
+              f"(make lab CH={chapter}) and read its verdict; after a FAIL, `make hint CH={chapter}` goes on from it.")
+        return 0
+    state = json.loads(state_file.read_text())
+    if state.get("sha256") != hashlib.sha256(lab.read_bytes()).hexdigest():
+        print(f"{shown_lab} changed since its last run: run it again (make lab CH={chapter} "
+              f"NPROC={state.get('world_size', 4)}), then `make hint CH={chapter}` goes on from its verdict.")
+        return 0
+    steps = failure_steps(state, lab, solution)
+    level = level if level is not None else state.get("shown", 0) + 1
+    state_file.write_text(json.dumps({**state, "shown": level}, indent=1))
+    ranks = state.get("ranks", [])
+    on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    print(f"The last run of {shown_lab} ({state.get('world_size')} ranks) FAILED on {on}: {state['diagnosis']}")
+    if level <= len(steps):
+        print(f"Step {level} of {len(steps)}: {steps[level - 1]}")
+        if level < len(steps):
+            print(f"(run `make hint CH={chapter}` again for step {level + 1})")
+    else:
+        print(f"No step {level} (there are {len(steps)}). Still stuck? The finished code is in "
+              f"{solution.relative_to(root)}.")
     return 0
 
 
