@@ -3,9 +3,11 @@
 torchrun on NPROC local ranks, for a person at a terminal: every rank's output as it comes, and
 the lab's verdict as the last thing on screen (run_for_learner)."""
 
+import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from .launch import quiet_env, torchrun_command
 
@@ -40,13 +42,23 @@ def _filter_stderr(stream, held: list[str], refused: list[str]) -> None:
     sys.stderr.write("".join(block))
 
 
+def own_clone_env(script: str) -> dict[str, str]:
+    """The job's environment, with the script's own clone first on the ranks' path (REVIEW D.8): a
+    .venv shared by several clones has `checks` and `ringside` installed from whichever clone ran
+    `make setup` last, and a lab would silently import that clone's check."""
+    root = Path(script).resolve().parent.parent
+    if not (root / "checks").is_dir():
+        return quiet_env()
+    return quiet_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+
+
 def run_for_learner(script: str, nproc: int, *args: str) -> int:
     """Run a lab under torchrun for a person at a terminal, every rank's output as it comes, so
     that a lab's verdict is the last thing on screen: torchrun's own ChildFailedError traceback and
     SIGTERM warnings after a lab that reported (55 lines that make a clear verdict look like a
     crash) are dropped, and so are they after a lab's one-line refusal of the world size. A lab that
     crashed before it could report keeps them."""
-    proc = subprocess.Popen(torchrun_command(script, nproc, *args, all_ranks=True), env=quiet_env(),
+    proc = subprocess.Popen(torchrun_command(script, nproc, *args, all_ranks=True), env=own_clone_env(script),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     held: list[str] = []
     refused: list[str] = []

@@ -35,3 +35,23 @@ def test_refusal_is_printed_although_other_ranks_are_ready_to_exit_first(attempt
     assert result.returncode != 0
     assert said == ["Lab 99 (race) cannot check 2 ranks: a refusal at 2 ranks that rank 0 reaches last"], \
         result.stderr[-3000:]
+
+
+def test_make_lab_imports_the_checks_of_the_labs_own_clone(tmp_path):
+    """REVIEW D.8: clones sharing one .venv have `checks` installed from whichever ran `make setup`
+    last; `make lab` (python -m ringside) in another clone must run that clone's own check."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from ringside.launch import quiet_env
+
+    (tmp_path / "labs").mkdir()
+    shutil.copy(ROOT / "solutions" / "00_setup.py", tmp_path / "labs" / "00_setup.py")
+    shutil.copytree(ROOT / "checks", tmp_path / "checks", ignore=shutil.ignore_patterns("__pycache__"))
+    check = tmp_path / "checks" / "lab00.py"
+    check.write_text(check.read_text().replace('title="Lab 00 (setup)"', 'title="Lab 00 (setup) of clone B"'))
+    result = subprocess.run([sys.executable, "-m", "ringside", "1", str(tmp_path / "labs" / "00_setup.py")],
+                            cwd=ROOT, env=quiet_env(), capture_output=True, text=True, timeout=180)
+    assert "== Lab 00 (setup) of clone B: self-check on 1 rank ==" in result.stdout, result.stdout + result.stderr[-2000:]
