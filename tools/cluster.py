@@ -188,7 +188,7 @@ def run_job(script: str | Path, hosts: int, *args: str, nproc_per_host: int = 1,
         raise ClusterError(f"the job on {hosts} hosts was still running after {timeout:g} s and was killed") from None
 
 
-def bench(rate: str, sizes_mib: str, host_counts: tuple[int, ...] = (2, 4)) -> int:
+def bench(rate: str, sizes_mib: str, host_counts: tuple[int, ...] = (2, 3, 4)) -> int:
     """Chapter 04's measurement: bring up each cluster, run the all-reduce bench, take it down."""
     from . import cluster_bench
 

@@ -78,33 +78,47 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, segments: int = 8) -> torch.
     return tensor
 
 
-def time_method(fn, tensor: torch.Tensor, reps: int) -> tuple[float, int, int]:
-    """Seconds of the slowest rank (median and best repetition), and the bytes this host sent and
-    received per call. The best repetition is the steadiest measure: other programs can only add time."""
-    fn(tensor.fill_(1.0))  # warm-up: connections and buffers
-    times = []
-    # A call returns once its data is handed to the kernel, not once it has left the interface:
-    # a barrier (every rank has received everything) before each counter reading settles that.
-    dist.barrier()
-    sent0, received0 = interface_bytes()
-    for _ in range(reps):
-        tensor.fill_(1.0)
-        dist.barrier()
-        start = time.perf_counter()
-        fn(tensor)
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    sent1, received1 = interface_bytes()
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    seconds = slowest.tolist()
-    return statistics.median(seconds), min(seconds), (sent1 - sent0) // reps, (received1 - received0) // reps
+def time_methods(methods: dict, tensor: torch.Tensor, rounds: int) -> dict[str, dict]:
+    """Every method timed once per round, in turn, for `rounds` rounds: interleaved, so that the
+    machine's changing load falls on all of them alike. A call counts as long as its slowest rank.
+    Per method: every round's seconds, and the bytes this host sent and received per call."""
+    for fn in methods.values():
+        fn(tensor.fill_(1.0))  # warm-up: connections and buffers
+    times = {name: [] for name in methods}
+    traffic = {name: [0, 0] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            tensor.fill_(1.0)
+            # A call returns once its data is handed to the kernel, not once it has left the
+            # interface: the barrier after it (every rank has received everything) settles that.
+            dist.barrier()
+            sent0, received0 = interface_bytes()
+            start = time.perf_counter()
+            fn(tensor)
+            times[name].append(time.perf_counter() - start)
+            dist.barrier()
+            sent1, received1 = interface_bytes()
+            traffic[name][0] += sent1 - sent0
+            traffic[name][1] += received1 - received0
+    out = {}
+    for name in methods:
+        slowest = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        # the barrier's own few bytes are counted too: under 1 KiB a call, against MiBs
+        out[name] = {"seconds": slowest.tolist(), "sent": traffic[name][0] // rounds,
+                     "received": traffic[name][1] // rounds}
+    return out
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes-mib", default="1,4,16", help="comma-separated tensor sizes in MiB")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--sizes-mib", default="1,4,16,64", help="comma-separated tensor sizes in MiB")
+    parser.add_argument("--reps", type=int, default=7, help="interleaved rounds (every method once a round)")
     parser.add_argument("--rate", default="1gbit", help="the links' rate, as given to `make cluster`")
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
@@ -114,18 +128,21 @@ def main() -> None:
     rows = []
     for size_mib in [float(s) for s in opts.sizes_mib.split(",")]:
         tensor = torch.empty(int(size_mib * MiB) // 4, dtype=torch.float32)
-        for name, fn in methods.items():
-            seconds, best, sent, received = time_method(fn, tensor, opts.reps)
-            traffic = [None] * me.world_size
-            dist.all_gather_object(traffic, (sent, received))
-            rows.append({"method": name, "bytes": tensor.numel() * 4, "seconds": seconds, "best_seconds": best,
-                         "sent_per_host": [t[0] for t in traffic], "received_per_host": [t[1] for t in traffic]})
+        measured = time_methods(methods, tensor, opts.reps)
+        for name, m in measured.items():
+            per_host = [None] * me.world_size
+            dist.all_gather_object(per_host, (m["sent"], m["received"]))
+            q1, median, q3 = quartiles(m["seconds"])
+            rows.append({"method": name, "bytes": tensor.numel() * 4, "seconds": median, "best_seconds": min(m["seconds"]),
+                         "q1_seconds": q1, "q3_seconds": q3, "round_seconds": m["seconds"],
+                         "sent_per_host": [t[0] for t in per_host], "received_per_host": [t[1] for t in per_host]})
             if me.is_main:
-                print(f"{size_mib:>6g} MiB  {name:<10} {seconds * 1000:8.1f} ms  "
-                      f"host 0 sent {sent / MiB:6.1f} MiB, received {received / MiB:6.1f} MiB", flush=True)
+                ratio = median / statistics.median(measured["all_reduce"]["seconds"])
+                print(f"{size_mib:>6g} MiB  {name:<14} median {median * 1000:8.1f} ms (q1 {q1 * 1000:7.1f}, q3 {q3 * 1000:7.1f})"
+                      f"  {ratio:5.2f}x all_reduce  host 0 sent {m['sent'] / MiB:6.1f} MiB", flush=True)
     if me.is_main:
         result = {"hosts": me.world_size, "rate": opts.rate, "link_bytes_per_s": rate_bytes_per_s(opts.rate),
-                  "reps": opts.reps, "rows": rows}
+                  "rounds": opts.reps, "interleaved": True, "rows": rows}
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.out).write_text(json.dumps(result, indent=1))
     finish(0)
