@@ -194,7 +194,10 @@ def step_through(max_ranks: int = 8):
     from IPython.display import display
 
     ranks = widgets.IntSlider(value=4, min=2, max=max_ranks, description="ranks")
-    frame = widgets.IntSlider(value=0, min=0, max=2 * (ranks.value - 1), description="step")
+    # The slider counts frames, the steps done so far in both phases together (0 .. 2(N-1)), not a
+    # phase's step number: at 5 ranks, all-gather step 1 is frame 5. The figure's title names the phase step.
+    frame = widgets.IntSlider(value=0, min=0, max=2 * (ranks.value - 1), description="steps done",
+                              style={"description_width": "initial"})
     out = widgets.Output()
 
     def redraw(*_):
@@ -219,7 +222,10 @@ def model_terms(method: str, n: int, size: float) -> tuple[float, float]:
     """(messages in sequence, bytes in sequence) on the busiest rank: t = messages*alpha + bytes*beta.
 
     ring (and gloo's all_reduce, also a ring on CPU): 2(N-1) steps, each one chunk of S/N.
-    naive: the root receives N-1 tensors one after the other, then sends N-1."""
+    naive: the root receives N-1 tensors one after the other, then sends N-1.
+    This is the single-port model (a rank's link carries one message at a time). For latency it
+    overstates naive: its workers send at once and the root posts its sends together, so the chain
+    of messages that wait for each other is 2 deep, against the ring's 2(N-1) (chapter 04, part A)."""
     if method == "naive":
         return 2 * (n - 1), 2 * (n - 1) * size
     return 2 * (n - 1), 2 * (n - 1) / n * size
