@@ -75,6 +75,31 @@ def bucket_bytes(ddp) -> list[int]:
     return [int(s) for s in str(sizes).split(",") if s.strip()]
 
 
+def traced_hook(trace: list):
+    """DDP's default all-reduce as a comm hook that also notes, per bucket, when DDP handed it over
+    (every gradient in it computed) and when its all-reduce finished, in perf_counter seconds."""
+    def hook(state, bucket):
+        ready = time.perf_counter()
+        world = dist.get_world_size()
+        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+        def done(fut):
+            trace.append((bucket.index(), ready, time.perf_counter()))
+            return fut.value()[0].div_(world)
+        return future.then(done)
+    return hook
+
+
+def schedule_bound(ready: list[float], comm: list[float], backward_end: float) -> float:
+    """Communication left after backward (s) if the buckets' all-reduces ran one at a time, in bucket
+    order, each starting when its bucket is ready and the one before has finished, each taking
+    `comm` seconds: what no schedule of these buckets on one link can beat."""
+    end = 0.0
+    for r, c in zip(ready, comm):
+        end = max(end, r) + c
+    return max(0.0, end - backward_end)
+
+
 def summary(values: list[float]) -> dict:
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
     return {"median": statistics.median(values), "q1": q[0], "q3": q[2], "min": min(values), "max": max(values)}
@@ -92,6 +117,12 @@ def worker(opts) -> None:
         optimizers[mode] = torch.optim.SGD(model.parameters(), lr=1e-4)
     grad_bytes = sum(p.numel() * p.element_size() for p in ddps["one_bucket"].parameters())
     flat = torch.ones(grad_bytes // 4)
+    # per_layer's schedule, traced: the same buckets (bucket_cap_mb=4) with a hook that notes times
+    traced_model = make_model(opts.width, opts.layers)
+    traced = nn.parallel.DistributedDataParallel(traced_model, bucket_cap_mb=CAP_MB["per_layer"])
+    trace: list = []
+    traced.register_comm_hook(None, traced_hook(trace))
+    traced_optimizer = torch.optim.SGD(traced_model.parameters(), lr=1e-4)
 
     def step(mode: str) -> tuple[float, float]:
         """One step; (seconds of the step, of which backward) on this rank."""
@@ -114,8 +145,26 @@ def worker(opts) -> None:
     for _ in range(opts.warmup):  # connections, and DDP's bucket rebuild after its first iteration
         for mode in MODES:
             step(mode)
+    def traced_step() -> dict:
+        """per_layer's step with the hook: each bucket's ready and finish time after backward started,
+        the backward's own end (the last bucket is ready when the last gradient is), and its size."""
+        trace.clear()
+        loss = traced(x).pow(2).mean()
+        start = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        traced_optimizer.step()
+        traced_optimizer.zero_grad()
+        rows = sorted(trace)
+        return {"ready_s": [r - start for _, r, _ in rows], "done_s": [d - start for _, _, d in rows],
+                "backward_s": end - start}
+
+    one_bucket_flat = torch.ones(opts.width * opts.width + opts.width)
+    for _ in range(opts.warmup):
+        traced_step()
     times = {mode: [] for mode in MODES}
     backward = {mode: [] for mode in MODES}
+    traces, bucket_alone = [], []
     cpu = {mode: [] for mode in MODES}  # CPU seconds of this process (all its threads) per step
     sent = {mode: 0 for mode in MODES}
     for _ in range(opts.rounds):
@@ -128,6 +177,12 @@ def worker(opts) -> None:
             sent[mode] += interface_bytes()[0] - sent0
             times[mode].append(total)
             backward[mode].append(back)
+        dist.barrier()
+        traces.append(traced_step())
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(one_bucket_flat)  # one layer's bucket, alone on the link
+        bucket_alone.append(time.perf_counter() - start)
     # a step lasts as long as its slowest rank
     slowest = {}
     for mode in MODES:
@@ -135,12 +190,39 @@ def worker(opts) -> None:
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         slowest[mode] = both.tolist()
     buckets = {mode: bucket_bytes(ddps[mode]) for mode in CAP_MB if mode != "no_comm"}
+    all_traces = [None] * me.world_size
+    dist.all_gather_object(all_traces, (traces, bucket_alone))
     if me.is_main:
-        write(opts, me.world_size, grad_bytes, slowest, sent, buckets, load_before)
+        write(opts, me.world_size, grad_bytes, slowest, sent, buckets, load_before, all_traces)
     finish(0)
 
 
-def write(opts, hosts: int, grad_bytes: int, slowest: dict, sent: dict, buckets: dict, load_before) -> None:
+def overlap_bound(all_traces, link: float, hosts: int, grad_bytes: int, layers: int) -> dict:
+    """per_layer's schedule, as traced on rank 0 (its backward is as long as the other's): the
+    median over rounds of each bucket's ready time, the compute left after it, and the communication
+    that must be left after backward, both at the link's bound and at the all-reduce time measured for
+    one bucket alone; the hideable fraction each allows."""
+    traces, alone = all_traces[0]
+    n = len(traces[0]["ready_s"])
+    ready = [statistics.median(t["ready_s"][k] for t in traces) for k in range(n)]
+    done = [statistics.median(t["done_s"][k] for t in traces) for k in range(n)]
+    backward_end = statistics.median(t["ready_s"][-1] for t in traces)  # the last gradient's moment
+    per_bucket_bound = 2 * (hosts - 1) / hosts * grad_bytes / layers / link
+    per_bucket_measured = statistics.median(alone)
+    left = {"at_bound": schedule_bound(ready, [per_bucket_bound] * n, backward_end),
+            "as_measured_alone": schedule_bound(ready, [per_bucket_measured] * n, backward_end)}
+    total = {"at_bound": per_bucket_bound * n, "as_measured_alone": per_bucket_measured * n}
+    return {"bucket_ready_s": ready, "bucket_done_s": done, "backward_compute_s": backward_end,
+            "compute_after_ready_s": [backward_end - r for r in ready],
+            "bucket_allreduce_alone_s": per_bucket_measured, "bucket_allreduce_bound_s": per_bucket_bound,
+            "comm_left_after_backward_s": left,
+            "hideable_fraction": {k: 1 - left[k] / total[k] for k in left},
+            "definition": "buckets all-reduced one at a time in bucket order, each from its ready time; "
+                          "hideable = 1 - (communication left after the last gradient) / (all communication)"}
+
+
+def write(opts, hosts: int, grad_bytes: int, slowest: dict, sent: dict, buckets: dict, load_before,
+          all_traces) -> None:
     link = rate_bytes_per_s(opts.rate)
     bound = 2 * (hosts - 1) / hosts * grad_bytes / link
     modes = {}
@@ -170,6 +252,7 @@ def write(opts, hosts: int, grad_bytes: int, slowest: dict, sent: dict, buckets:
         # every bucket but the last (which starts after the last gradient) hidden completely
         "no_overlap_at_bound_s": no_comm + bound,
         "full_overlap_at_bound_s": {mode: no_comm + bound * f for mode, f in last_bucket.items()},
+        "per_layer_schedule": overlap_bound(all_traces, link, hosts, grad_bytes, opts.layers),
         "modes": modes,
         "machine": {"cpus": os.cpu_count(), "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
                     "uptime_after": uptime,
@@ -231,6 +314,11 @@ def report(result: dict) -> str:
                      f"sent {row['sent_bytes_per_step'] / 2**20:5.1f} MiB/step  buckets {row['buckets_bytes']}")
     lines.append("  hidden: " + ", ".join(f"{m} {f:.0%} (90% interval {lo:.0%} to {hi:.0%})" for (m, f), (lo, hi)
                                           in zip(result["hidden_fraction"].items(), result["hidden_fraction_90pct_interval"].values())))
+    bound = result["per_layer_schedule"]
+    lines.append("  per_layer schedule: buckets ready at " + ", ".join(f"{r * 1000:.0f}" for r in bound["bucket_ready_s"])
+                 + f" ms of a {bound['backward_compute_s'] * 1000:.0f} ms backward; one bucket's all-reduce alone "
+                 f"{bound['bucket_allreduce_alone_s'] * 1000:.0f} ms (bound {bound['bucket_allreduce_bound_s'] * 1000:.0f})")
+    lines.append("  hideable by this schedule: " + ", ".join(f"{k} {v:.0%}" for k, v in bound["hideable_fraction"].items()))
     lines.append(f"  load: {result['machine']['uptime_after']}")
     return "\n".join(lines)
 
