@@ -93,7 +93,7 @@ $(VENV)/.ui-ready: requirements-ui.txt $(VENV)/.ready
 # (see conftest.py); every other test goes to whichever worker is free.
 # TEST_WORKERS=0: everything in one process.
 TEST_WORKERS ?= 4
-NBVAL = --nbval --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 300
+NBVAL = -p tools.pytest_quick_imports --nbval --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 300
 test: setup ## run every test: notebooks (nbval), labs, solutions, package
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q -rs -p no:randomly -n $(TEST_WORKERS) $(NBVAL) chapters tests; status=$$?; \
