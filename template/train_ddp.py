@@ -1,14 +1,16 @@
-"""Data-parallel training with DDP and torchrun: a template to copy and adapt to your own model.
+"""Data-parallel training with torchrun (DDP, or FSDP2 with --fsdp): a template to copy and adapt.
 
 Plain PyTorch, the standard library and tqdm: nothing from the course. The parts you replace for your
-own work are `build_datasets`, `build_model`, `loss_fn`, `metric_sums` with `BEST_METRIC`, and
-(maybe) `collate`, `split_batch` and `build_optimizer`; see template/README.md. Everything else (the
-process group, sharding, mixed precision, accumulation, exact evaluation, checkpoints, resume,
-SIGTERM) works as is on CPUs (gloo) and GPUs (nccl).
+own work come first, in "What you replace": `build_datasets`, `build_model`, `fsdp_blocks`, `loss_fn`,
+`metric_sums` with `BEST_METRIC`, and (maybe) `collate`, `split_batch` and `build_optimizer`; see
+template/README.md. Everything after them (the process group, sharding, mixed precision,
+accumulation, exact evaluation, checkpoints, resume, signals) works as is on CPUs (gloo) and GPUs
+(nccl).
 
 One machine (1 process, or one per GPU / 4 CPU processes):
     torchrun --standalone --nproc-per-node 1 template/train_ddp.py --out runs/demo
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 template/train_ddp.py --out runs/demo
+A model too big for one GPU: add --fsdp (parameters, gradients and optimizer state sharded).
 Two machines, static rendezvous (run on each; --node-rank 0 on the machine at MASTER_IP):
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr MASTER_IP --master-port 29500 \\
         template/train_ddp.py --out /shared/runs/demo
@@ -17,29 +19,41 @@ Two machines, c10d rendezvous (the same command on both; survives a crashed rank
         --rdzv-id demo --max-restarts 3 template/train_ddp.py --out /shared/runs/demo
 Slurm: template/train_ddp.sbatch. On several machines --out must be a folder that every machine sees.
 
-Run the same command again and it resumes from the newest OUT/checkpoint-<step>.pt (a new --out starts
-afresh; changed settings are refused, another --epochs or --max-steps too unless --new-schedule).
-`kill -TERM` (Slurm's preemption signal) saves a checkpoint within two steps and exits, whenever it
-comes.
+Run the same command again and it resumes from the newest OUT/checkpoint-<step> (a new --out starts
+afresh; changed settings are refused, another --epochs or --max-steps too unless --new-schedule; another
+number of processes goes on, saying what changes). SIGTERM, SIGINT (Ctrl-C), SIGUSR1 and SIGUSR2 each
+save a checkpoint within two steps and exit 0, whenever they come.
 """
 
 from __future__ import annotations
 
 import signal
 
-# SIGTERM (Slurm's warning, torchrun passing a signal on) only sets this flag; training acts on it at
-# the next step. Installed before anything else: a signal during the seconds of `import torch` must
-# not kill the process either.
-STOP_REQUESTED = False
+# A stop signal only sets this flag; training acts on it at the next step. Installed before anything
+# else: a signal during the seconds of `import torch` must not kill the process either.
+#   SIGTERM  Slurm's warning, torchrun passing its own SIGTERM or SIGINT on, `kill`
+#   SIGINT   Ctrl-C (the terminal sends it to torchrun and to every process it started)
+#   SIGUSR1  the sbatch's "time limit near": save, stop, and the job requeues itself
+#   SIGUSR2  the sbatch's "save and stop" (`scancel --signal=USR2 JOB`, with or without --batch)
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+STOP_REQUESTED = 0  # 0: go on; 1: save and stop; 2: save and stop, then requeue (SIGUSR1)
+STOP_SIGNAL = None  # the name of the first stop signal this process got
 
 
 def request_stop(signum, frame) -> None:
-    global STOP_REQUESTED
-    STOP_REQUESTED = True  # acted on at the next step boundary, where the state is consistent
+    global STOP_REQUESTED, STOP_SIGNAL
+    STOP_REQUESTED = max(STOP_REQUESTED, 2 if signum == getattr(signal, "SIGUSR1", None) else 1)
+    STOP_SIGNAL = STOP_SIGNAL or signal.Signals(signum).name  # acted on at the next step boundary
+
+
+def catch_stop_signals(handler=request_stop) -> None:
+    for name in STOP_SIGNALS:
+        if hasattr(signal, name):  # (Windows has no SIGUSR1/SIGUSR2)
+            signal.signal(getattr(signal, name), handler)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, request_stop)
+    catch_stop_signals()
 
 import argparse  # noqa: E402 - after the handler above
 import ctypes  # noqa: E402
@@ -49,6 +63,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
+import shutil  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -64,10 +79,122 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate  # noqa: E402
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, Subset,  # noqa: E402
+                              default_collate, get_worker_info)
 from tqdm import tqdm  # noqa: E402
 
 log = logging.getLogger("train_ddp")
+
+
+# === What you replace: data, model, loss, metrics, optimizer (template/README.md has the table) =====
+
+
+class Digits(Dataset):
+    """scikit-learn's 8x8 handwritten digits (no download), with a light random shift and noise.
+
+    The augmentation is drawn from (seed, epoch, index) only: the same for any number of processes
+    or loader workers, and a resumed run redoes a sample exactly as the first run did. The training
+    loop sets `.epoch` before each epoch (set_epoch: also through Subset and random_split's pieces)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, seed: int):
+        self.images, self.labels, self.augment, self.seed, self.epoch = images, labels, augment, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[i]
+        if self.augment:
+            g = torch.Generator().manual_seed((self.seed * 1_000 + self.epoch) * 1_000_000 + i)
+            dy, dx = torch.randint(-1, 2, (2,), generator=g).tolist()
+            image = torch.roll(image, shifts=(dy, dx), dims=(1, 2))
+            image = image + 0.05 * torch.randn(image.shape, generator=g)
+        return image, self.labels[i]
+
+
+def build_datasets(seed: int) -> tuple[Dataset, Dataset]:
+    """(train, validation): the same split on every process (it comes from a fixed seed). Either may
+    be a map-style Dataset (any, wrapped in Subset too) or, for training, an IterableDataset with a
+    len() (see RankStream)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8
+    labels = torch.tensor(bunch.target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+    val, train = order[:360], order[360:]
+    return (Digits(images[train], labels[train], augment=True, seed=seed),
+            Digits(images[val], labels[val], augment=False, seed=seed))
+
+
+class ConvBlock(nn.Sequential):
+    """Convolution, BatchNorm, ReLU: the unit that --fsdp shards on its own (fsdp_blocks)."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(ConvBlock(1, 16), ConvBlock(16, 32), nn.MaxPool2d(2), ConvBlock(32, 32),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(32, 10))
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """--fsdp: the submodules sharded one by one (each is all-gathered just before its forward and
+    freed after it), in the order the forward uses them; the rest is sharded with the whole model.
+    A transformer: its layers, e.g. `list(model.layers)`."""
+    return [m for m in model.modules() if isinstance(m, ConvBlock)]
+
+
+def loss_fn(outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The training loss; evaluate() calls it with reduction="sum". A language model's (B, T, V)
+    logits: F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction=reduction), with
+    padded targets set to -100 (cross_entropy's ignore_index) so that they count for nothing."""
+    return F.cross_entropy(outputs, targets, reduction=reduction)
+
+
+def metric_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums over one validation batch that add up over batches and ranks; evaluate() divides each by
+    the total "count" (samples, tokens or pixels: whatever one target is; with padding, the real
+    ones only: `(targets != -100).sum()`). Here: accuracy for any outputs whose dimension 1 holds
+    the classes, one label per sample or per pixel."""
+    return {"loss": loss_fn(outputs.float(), targets, reduction="sum"),
+            "accuracy": (outputs.argmax(1) == targets).sum(), "count": torch.tensor(targets.numel())}
+
+
+def collate(samples: list):
+    """One batch from a list of samples (the DataLoader's collate_fn, in training and evaluation).
+    default_collate stacks tensors of one shape; sequences of different lengths need padding to the
+    longest in each batch, e.g. with their lengths for the model:
+        tokens = [x for x, _ in samples]
+        padded = nn.utils.rnn.pad_sequence(tokens, batch_first=True)  # pads with 0
+        return (padded, torch.tensor([len(x) for x in tokens])), torch.stack([y for _, y in samples])
+    (token targets of a language model: pad them with -100, `padding_value=-100`)"""
+    return default_collate(samples)
+
+
+def split_batch(batch) -> tuple:
+    """(inputs, targets) from what the DataLoader gives: a (inputs, targets) pair here; for batches
+    that are dicts, e.g. return batch["input_ids"], batch["labels"]. Inputs may be a tensor, or a
+    dict or tuple of tensors that the model takes as one argument."""
+    inputs, targets = batch
+    return inputs, targets
+
+
+# The validation metric that picks best.pt, and its direction (a language model: "loss", False).
+BEST_METRIC, HIGHER_IS_BETTER = "accuracy", True
+
+
+def build_optimizer(model: nn.Module, args: argparse.Namespace, total_steps: int):
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=max(1, total_steps))
+    return optimizer, scheduler
+
+
+# === Everything below works as is ===================================================================
+# Distributed setup (attempt_store, setup_distributed); data sharding (set_epoch, ResumableSampler,
+# RankStream); checkpoints (DDP: one file; FSDP: a DCP folder); evaluation; signals and loader
+# workers; main() with the training loop.
 
 
 # --- Distributed setup: everything about processes and devices, in one place ---------------------
@@ -130,48 +257,29 @@ def setup_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-# --- Data: replace build_datasets with your own (any map-style Dataset works) -----------------------
+# --- Data: which samples each process takes, and where a resumed run goes on ------------------------
 
 
-class Digits(Dataset):
-    """scikit-learn's 8x8 handwritten digits (no download), with a light random shift and noise.
-
-    The augmentation is drawn from (seed, epoch, index) only: the same for any number of processes
-    or loader workers, and a resumed run redoes a sample exactly as the first run did."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, seed: int):
-        self.images, self.labels, self.augment, self.seed, self.epoch = images, labels, augment, seed, 0
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = self.images[i]
-        if self.augment:
-            g = torch.Generator().manual_seed((self.seed * 1_000 + self.epoch) * 1_000_000 + i)
-            dy, dx = torch.randint(-1, 2, (2,), generator=g).tolist()
-            image = torch.roll(image, shifts=(dy, dx), dims=(1, 2))
-            image = image + 0.05 * torch.randn(image.shape, generator=g)
-        return image, self.labels[i]
-
-
-def build_datasets(seed: int) -> tuple[Dataset, Dataset]:
-    """(train, validation): the same split on every process (it comes from a fixed seed)."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8
-    labels = torch.tensor(bunch.target, dtype=torch.long)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
-    val, train = order[:360], order[360:]
-    return (Digits(images[train], labels[train], augment=True, seed=seed),
-            Digits(images[val], labels[val], augment=False, seed=seed))
+def set_epoch(dataset, epoch: int) -> None:
+    """Tell a dataset the epoch (for augmentation drawn from (seed, epoch, index)): calls its
+    set_epoch(epoch) if it has one, else sets `.epoch` if it has that attribute; and the same for
+    every dataset it wraps (`Subset.dataset`, as random_split gives, `ConcatDataset.datasets`), so
+    that a wrapped dataset's augmentation changes every epoch too."""
+    if callable(getattr(dataset, "set_epoch", None)):
+        dataset.set_epoch(epoch)
+    elif hasattr(dataset, "epoch"):
+        dataset.epoch = epoch
+    for inner in [getattr(dataset, "dataset", None), *getattr(dataset, "datasets", [])]:
+        if isinstance(inner, (Dataset, IterableDataset)):
+            set_epoch(inner, epoch)
 
 
 class ResumableSampler(DistributedSampler):
     """A DistributedSampler that can skip the first `skip` samples of this rank's epoch.
 
-    Resuming mid-epoch this way never loads the skipped samples."""
+    Resuming mid-epoch this way never loads the skipped samples. Rank r takes samples r, r + W,
+    r + 2W, ... of the epoch's shuffled order: after k batches, the ranks together have taken the
+    first k x W x batch samples, at any number of processes W (what a resize goes on from)."""
 
     skip = 0
 
@@ -182,60 +290,42 @@ class ResumableSampler(DistributedSampler):
         return super().__len__() - self.skip
 
 
-# --- Model, loss, optimizer: replace with your own ----------------------------------------------------
+class RankStream(IterableDataset):
+    """This process's share of an IterableDataset (a stream), for DataLoader workers.
+
+    The stream must give the same samples in the same order on every process (an epoch's order may
+    depend on `.epoch`, which set_epoch sets) and have a len(): the samples in an epoch. Rank r
+    takes samples r, r + W, ... (the first len // W of them, the same count on every rank), skips
+    the `skip` it took before a resume, and loader worker w of n yields batches w, w + n, ...: the
+    DataLoader returns the batches in order, the same at any number of workers. Every rank and
+    worker reads the whole stream and keeps its part; a stream of files can shard itself instead:
+    `rank`, `world_size` and `skip` are here to read."""
+
+    def __init__(self, dataset: IterableDataset, rank: int, world_size: int, batch_size: int):
+        self.dataset, self.rank, self.world_size, self.batch_size, self.skip = dataset, rank, world_size, batch_size, 0
+        self.per_rank = len(dataset) // world_size
+
+    def __len__(self) -> int:
+        return self.per_rank - self.skip
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = itertools.islice(iter(self.dataset), self.rank, self.per_rank * self.world_size, self.world_size)
+        mine = itertools.islice(mine, self.skip, None)
+        for b in itertools.count():
+            batch = list(itertools.islice(mine, self.batch_size))
+            if len(batch) < self.batch_size:  # (the last part batch is dropped, as drop_last does)
+                return
+            if b % workers == worker:
+                yield from batch
 
 
-def build_model() -> nn.Module:
-    def block(c_in, c_out):
-        return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+# --- Checkpoints: OUT/checkpoint-<step>.pt (DDP) or OUT/checkpoint-<step>/ (FSDP, DCP) --------------
+# Written to a temporary name and renamed: a checkpoint under its final name is whole. The newest
+# --keep readable ones are kept; a resume loads the newest that reads.
 
-    return nn.Sequential(*block(1, 16), *block(16, 32), nn.MaxPool2d(2), *block(32, 32),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(32, 10))
-
-
-def loss_fn(outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """The training loss; evaluate() calls it with reduction="sum". A language model's (B, T, V)
-    logits: F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction=reduction)."""
-    return F.cross_entropy(outputs, targets, reduction=reduction)
-
-
-def metric_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums over one validation batch that add up over batches and ranks; evaluate() divides each by
-    the total "count" (samples, tokens or pixels: whatever one target is). Here: accuracy for any
-    outputs whose dimension 1 holds the classes, one label per sample or per pixel."""
-    return {"loss": loss_fn(outputs.float(), targets, reduction="sum"),
-            "accuracy": (outputs.argmax(1) == targets).sum(), "count": torch.tensor(targets.numel())}
-
-
-def collate(samples: list):
-    """One batch from a list of samples (the DataLoader's collate_fn, in training and evaluation).
-    default_collate stacks tensors of one shape; sequences of different lengths need padding to the
-    longest in each batch, e.g. with their lengths for the model:
-        tokens = [x for x, _ in samples]
-        padded = nn.utils.rnn.pad_sequence(tokens, batch_first=True)  # pads with 0
-        return (padded, torch.tensor([len(x) for x in tokens])), torch.stack([y for _, y in samples])"""
-    return default_collate(samples)
-
-
-def split_batch(batch) -> tuple:
-    """(inputs, targets) from what the DataLoader gives: a (inputs, targets) pair here; for batches
-    that are dicts, e.g. return batch["input_ids"], batch["labels"]. Inputs may be a tensor, or a
-    dict or tuple of tensors that the model takes as one argument."""
-    inputs, targets = batch
-    return inputs, targets
-
-
-# The validation metric that picks best.pt, and its direction (a language model: "loss", False).
-BEST_METRIC, HIGHER_IS_BETTER = "accuracy", True
-
-
-def build_optimizer(model: nn.Module, args: argparse.Namespace, total_steps: int):
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=max(1, total_steps))
-    return optimizer, scheduler
-
-
-# --- Checkpoints -------------------------------------------------------------------------------------------
+TRAIN_STATE = "train_state.pt"  # in a DCP folder: step, RNGs, settings (the tensors are DCP's shards)
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -249,9 +339,56 @@ def save_atomic(obj, path: Path) -> None:
     _READABLE.add(path)
 
 
+def save_sharded(net: nn.Module, optimizer, train_state: dict, path: Path, is_main: bool) -> None:
+    """--fsdp: a DCP checkpoint folder. Every rank writes its own shards of the model and optimizer
+    (torch.distributed.checkpoint) into OUT/.checkpoint-<step>.tmp/; rank 0 adds train_state.pt and
+    renames the folder once every rank has written (dcp.save returns on rank 0 after that)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(net, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
+    if is_main:
+        save_atomic(train_state, tmp / TRAIN_STATE)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _READABLE.add(path)
+
+
+def load_sharded(net: nn.Module, optimizer, path: Path) -> None:
+    """Each rank reads its shards of a DCP checkpoint: at the same number of processes or another
+    (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(net, optimizer)  # (the optimizer's state made first)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.split("-")[1].split(".")[0])
+
+
 def checkpoints(out: Path) -> list[Path]:
-    """OUT/checkpoint-<step>.pt, newest first."""
-    return sorted(out.glob("checkpoint-*.pt"), key=lambda p: int(p.stem.split("-")[1]), reverse=True)
+    """OUT/checkpoint-<step>.pt and OUT/checkpoint-<step>/, newest first."""
+    found = [p for p in out.glob("checkpoint-*") if p.is_dir() or p.suffix == ".pt"]
+    return sorted(found, key=checkpoint_step, reverse=True)
+
+
+def load_train_state(path: Path, device: torch.device) -> dict:
+    """A checkpoint file, or a DCP folder's train_state.pt (its shards are loaded later, by every rank)."""
+    if path.is_dir():
+        if not (path / ".metadata").exists():
+            raise FileNotFoundError(f"{path / '.metadata'} is missing")
+        return torch.load(path / TRAIN_STATE, map_location=device, weights_only=True)
+    return torch.load(path, map_location=device, weights_only=True)
 
 
 def newest_loadable_checkpoint(out: Path, device: torch.device) -> tuple[Path, dict] | None:
@@ -261,7 +398,7 @@ def newest_loadable_checkpoint(out: Path, device: torch.device) -> tuple[Path, d
     found = checkpoints(out)
     for path in found:
         try:
-            return path, torch.load(path, map_location=device, weights_only=True)
+            return path, load_train_state(path, device)
         except Exception as error:  # noqa: BLE001 - any unreadable file: try the one before
             log.warning("%s cannot be read (%s: %s): trying the checkpoint before it", path,
                         type(error).__name__, str(error).splitlines()[0][:200])
@@ -279,18 +416,29 @@ _READABLE: set[Path] = set()  # checkpoints this process wrote, or found readabl
 
 
 def readable(path: Path) -> bool:
-    """Whether a checkpoint file is whole: torch.save writes a zip archive, and every member's CRC
-    must match (reads the file, unpickles nothing). Remembered: each file is checked once."""
+    """Whether a checkpoint is whole: torch.save writes a zip archive, and every member's CRC must
+    match (reads the file, unpickles nothing); a DCP folder needs its .metadata and a whole
+    train_state.pt (renamed into place only after every shard was written). Each is checked once."""
     if path in _READABLE:
         return True
+    file = path / TRAIN_STATE if path.is_dir() else path
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(file) as archive:
             whole = archive.testzip() is None
     except (OSError, zipfile.BadZipFile):
         whole = False
+    if whole and path.is_dir():
+        whole = (path / ".metadata").exists()
     if whole:
         _READABLE.add(path)
     return whole
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def prune_checkpoints(out: Path, keep: int) -> None:
@@ -301,8 +449,11 @@ def prune_checkpoints(out: Path, keep: int) -> None:
         if kept < keep and readable(path):
             kept += 1
         else:
-            path.unlink(missing_ok=True)
+            remove(path)
             _READABLE.discard(path)
+
+
+# --- Small helpers --------------------------------------------------------------------------------
 
 
 def rng_state(device: torch.device) -> dict:
@@ -400,13 +551,43 @@ def settle_bucket_order(model: DDP, batch) -> None:
     model.train()
 
 
-def weights_sha256(model: nn.Module) -> str:
+def shard_model(net: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
+    """--fsdp: FSDP2 (fully_shard) on each of fsdp_blocks(net), then on the whole model. Parameters
+    in `param_dtype` for the forward and backward (bf16 with --amp), gradients reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                  output_dtype=torch.float32 if param_dtype is not None else None)
+    for block in fsdp_blocks(net):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    return net
+
+
+def full_state_dict(net: nn.Module, fsdp: bool) -> dict:
+    """The whole model's state_dict on rank 0, on the CPU (with --fsdp every rank must call this:
+    the shards are gathered; the other ranks get {})."""
+    if not fsdp:
+        return net.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def weights_sha256(state: dict) -> str:
     """A fingerprint of every parameter and buffer: equal fingerprints, bit-identical weights."""
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(state.items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def broadcast_buffers(net: nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank, as DDP does before each
+    forward. FSDP does not: each rank would keep its own, and a checkpoint holds only one rank's."""
+    for buffer in net.buffers():
+        dist.broadcast(buffer, 0)
 
 
 # --- Evaluation: every validation sample counted exactly once --------------------------------------
@@ -414,30 +595,38 @@ def weights_sha256(model: nn.Module) -> str:
 
 @torch.no_grad()
 def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, device: torch.device,
-             args: argparse.Namespace, amp_dtype) -> dict:
+             args: argparse.Namespace, amp_dtype, lockstep: bool = False) -> dict:
     """Exact metrics over the validation set (metric_sums, added over every batch and rank, each
     divided by the total count); each rank takes indices rank, rank + W, ...
 
     (DistributedSampler would pad the last round with duplicates.) Takes the bare network, not the
-    DDP wrapper: ranks may run different numbers of batches, and DDP's forward talks to the others."""
+    DDP wrapper: ranks may run different numbers of batches, and DDP's forward talks to the others.
+    lockstep (FSDP, whose forward all-gathers): every rank runs as many forwards as rank 0, the
+    ranks with fewer batches on a spare one whose outputs count for nothing."""
     was_training = net.training
     net.eval()
     # Rank 0's buffers (BatchNorm's running statistics) on every rank, as DDP's forward uses them
     # (broadcast_buffers) and as final.pt holds them: each rank's own would make the result depend on
     # the number of processes. (Training is unchanged: DDP broadcasts them again at its next forward.)
-    for buffer in net.buffers():
-        dist.broadcast(buffer, 0)
+    broadcast_buffers(net)
     mine = Subset(val_set, range(rank, len(val_set), world_size))
     loader = DataLoader(mine, batch_size=args.batch_size, num_workers=0, pin_memory=device.type == "cuda",
                         collate_fn=collate,
                         generator=torch.Generator())  # its own: iterating must not move the global generator
+    autocast = torch.autocast(device.type, dtype=amp_dtype or torch.float32,
+                              enabled=amp_dtype is not None and not lockstep)
     totals: dict[str, torch.Tensor] = {}
     for batch in loader:
         inputs, targets = to_device(split_batch(batch), device)
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with autocast:
             outputs = net(inputs)
         for name, value in metric_sums(outputs, targets).items():
             totals[name] = totals.get(name, 0) + value.detach().double().to(device)
+    if lockstep:
+        most = -(-len(range(0, len(val_set), world_size)) // args.batch_size)  # rank 0's batches
+        spare, _ = to_device(split_batch(collate([val_set[0]])), device)
+        for _ in range(most - len(loader)):
+            net(spare)
     names = sorted(totals)  # the same order on every rank (main() checks that each rank has a sample)
     sums = torch.stack([totals[n] for n in names])
     dist.all_reduce(sums)
@@ -447,11 +636,11 @@ def evaluate(net: nn.Module, val_set: Dataset, rank: int, world_size: int, devic
     return {**{n: v / count for n, v in total.items()}, "count": int(count)}
 
 
-# --- Training ----------------------------------------------------------------------------------------------
+# --- Settings ------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="DDP training with torchrun (see the docstring for commands)")
+    p = argparse.ArgumentParser(description="DDP or FSDP training with torchrun (see the docstring for commands)")
     p.add_argument("--out", default="runs/train_ddp", help="checkpoints and results (default: %(default)s)")
     p.add_argument("--epochs", type=int, default=10,
                    help="passes over the training set; the learning-rate schedule spans them (default: %(default)s)")
@@ -465,8 +654,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.1,
                    help="the peak learning rate of the one-cycle schedule (default: %(default)s)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm; 0: no clipping")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 instead of DDP: parameters, gradients and optimizer state sharded over the "
+                        "processes (fully_shard per fsdp_blocks), sharded DCP checkpoints")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-                   help="auto: bf16 on GPUs that run it natively (Ampere+), else fp16 + GradScaler; off on the CPU")
+                   help="auto: bf16 on GPUs that run it natively (Ampere+), else fp16 + GradScaler (with --fsdp: "
+                        "off); off on the CPU")
     p.add_argument("--sync-bn", action="store_true",
                    help="BatchNorm statistics over all processes (nccl only: gloo has no SyncBatchNorm)")
     p.add_argument("--compile", action="store_true",
@@ -505,19 +698,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # Settings a resume must keep: they change the arithmetic of the steps still to come. (Other --epochs
 # or --max-steps change the schedule's length: refused unless --new-schedule. Another number of
-# processes is fine at the same global batch, processes x --batch-size x --accum, but not bit for bit.)
-KEPT_ON_RESUME = ("seed", "lr", "clip_grad", "amp", "sync_bn")
+# processes goes on: the global batch and the batches' make-up change, said in one line.)
+KEPT_ON_RESUME = ("seed", "lr", "clip_grad", "amp", "sync_bn", "fsdp")
 
 
 def resume_problems(saved: dict, args: argparse.Namespace, world_size: int,
                     total_steps: int | None = None) -> list[str]:
-    """Why a checkpoint written with settings `saved` cannot go on with these; [] if it can."""
-    problems = [f"--{k.replace('_', '-')} was {saved[k]}, now {getattr(args, k)}"
-                for k in KEPT_ON_RESUME if k in saved and saved[k] != getattr(args, k)]
+    """Why a checkpoint written with settings `saved` cannot go on with these; [] if it can. At
+    another number of processes than the checkpoint's, the global batch and the schedule's length
+    may change (main() says how); at the same number, they must stay."""
+    problems = [f"--{k.replace('_', '-')} was {saved.get(k, False)}, now {getattr(args, k)}"
+                for k in KEPT_ON_RESUME if (k in saved or k == "fsdp") and saved.get(k, False) != getattr(args, k)]
+    if saved.get("world_size", world_size) != world_size:
+        return problems
     global_batch = world_size * args.batch_size * args.accum
     if "global_batch" in saved and saved["global_batch"] != global_batch:
+        advice = (f"resume with --batch-size {saved['batch_size']} --accum {saved['accum']}"
+                  if "batch_size" in saved else "resume with the old --batch-size and --accum")
         problems.append(f"the global batch (processes x --batch-size x --accum) was {saved['global_batch']}, "
-                        f"now {global_batch}")
+                        f"now {global_batch} ({advice})")
     schedule = saved.get("schedule_steps")
     if total_steps is not None and schedule is not None and schedule != total_steps and not args.new_schedule:
         problems.append(f"the learning-rate schedule spans {schedule} steps, and --epochs/--max-steps now make "
@@ -538,15 +737,18 @@ def ensure_writable(out: Path) -> None:
                          f"choose a folder you can write to") from None
 
 
-def pick_amp(choice: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for full float32."""
+def pick_amp(choice: str, device: torch.device, fsdp: bool = False) -> torch.dtype | None:
+    """The autocast dtype (with --fsdp: the parameters' dtype in the forward), or None for float32."""
     if choice == "auto":
         if device.type != "cuda":
             return None  # CPUs without 16-bit units run autocast several times slower
         # including_emulation=False: by default is_bf16_supported() also says True on a V100 or T4,
         # which only emulate bf16 (torch/cuda/__init__.py); native bf16 needs compute capability 8.0+
         native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        return torch.bfloat16 if native_bf16 else torch.float16
+        return torch.bfloat16 if native_bf16 else None if fsdp else torch.float16
+    if choice == "fp16" and fsdp:
+        raise SystemExit("--amp fp16 with --fsdp needs a sharded GradScaler, which this template does not "
+                         "have: use --amp bf16 (Ampere+ GPUs) or --amp off")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
@@ -554,14 +756,15 @@ TRAINER_PID = os.getpid()  # (set again in main(); forked DataLoader workers inh
 
 
 def worker_init(worker_id: int) -> None:
-    """First thing in every DataLoader worker. Slurm and torchrun signal every process, and a worker
-    killed by SIGTERM makes the training process raise before it can save; so workers ignore SIGTERM.
-    They are forked with SIGTERM blocked (start_workers): one that arrived since is still pending,
-    and SIG_IGN discards it before the unblock. And a worker dies with its training process
-    (Linux: PR_SET_PDEATHSIG), even one killed with SIGKILL, instead of lingering for seconds."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """First thing in every DataLoader worker. Slurm, torchrun and a terminal's Ctrl-C signal every
+    process, and a worker killed by a signal makes the training process raise before it can save;
+    so workers ignore the stop signals. They are forked with these blocked (start_workers): one that
+    arrived since is still pending, and SIG_IGN discards it before the unblock. And a worker dies
+    with its training process (Linux: PR_SET_PDEATHSIG), even one killed with SIGKILL, instead of
+    lingering for seconds."""
+    catch_stop_signals(signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # (POSIX; Windows has no signal masks)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals())
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -569,14 +772,18 @@ def worker_init(worker_id: int) -> None:
             os._exit(0)
 
 
+def stop_signals() -> set:
+    return {getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)}
+
+
 def start_workers(loader: DataLoader):
-    """iter(loader), with SIGTERM blocked while it forks the workers (they inherit the blocked
-    signal until worker_init ignores it). PyTorch's own SIGTERM handler, installed in a worker
-    before worker_init runs, would otherwise let a signal in that window kill it. This process
-    receives a SIGTERM that arrived meanwhile as soon as the signal is unblocked."""
+    """iter(loader), with the stop signals blocked while it forks the workers (they inherit them
+    blocked until worker_init ignores them). PyTorch's own handlers, installed in a worker before
+    worker_init runs, would otherwise let a signal in that window kill it. This process receives a
+    signal that arrived meanwhile as soon as it is unblocked."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks (and no fork)
         return iter(loader)
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals())
     try:
         return iter(loader)
     finally:
@@ -593,6 +800,12 @@ def fail_once_if_asked(args: argparse.Namespace, out: Path, rank: int, step: int
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+STOPPED_MARKER = ".stopped"  # OUT/.stopped: "requeue" or "stop", written at a signal's save (for the sbatch)
+
+
+# --- Training ----------------------------------------------------------------------------------------------
+
+
 @record  # an exception's traceback goes to torchrun's summary of the failed ranks
 def main() -> None:
     args = parse_args()
@@ -603,9 +816,11 @@ def main() -> None:
     is_main = rank == 0
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, stream=sys.stdout,
                         format=f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
-    signal.signal(signal.SIGTERM, request_stop)  # (set at import already when run as a script)
+    catch_stop_signals()  # (set at import already when run as a script)
     global TRAINER_PID
     TRAINER_PID = os.getpid()
+    amp_dtype = pick_amp(args.amp, device, args.fsdp)
+    use_autocast = amp_dtype is not None and not args.fsdp  # FSDP: the parameters' dtype instead
 
     # Reproducible: the same seed gives the same initial weights, data order and augmentation.
     random.seed(args.seed)
@@ -616,18 +831,67 @@ def main() -> None:
     train_set, val_set = build_datasets(args.seed)
     if len(val_set) < world_size:
         raise SystemExit(f"{len(val_set)} validation samples for {world_size} processes: each needs one at least")
-    sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                        num_workers=args.workers, pin_memory=device.type == "cuda",
-                        persistent_workers=False,  # new workers each epoch see the dataset's new epoch
-                        generator=torch.Generator().manual_seed(args.seed),  # leaves the global RNG alone
-                        collate_fn=collate, worker_init_fn=worker_init)
-    steps_per_epoch = len(sampler) // args.batch_size // args.accum
+    streaming = isinstance(train_set, IterableDataset)
+    common = dict(batch_size=args.batch_size, drop_last=True, num_workers=args.workers,
+                  pin_memory=device.type == "cuda",
+                  persistent_workers=False,  # new workers each epoch see the dataset's new epoch
+                  generator=torch.Generator().manual_seed(args.seed),  # leaves the global RNG alone
+                  collate_fn=collate, worker_init_fn=worker_init)
+    if streaming:
+        shard = RankStream(train_set, rank, world_size, args.batch_size)
+        loader, per_rank = DataLoader(shard, **common), shard.per_rank
+    else:
+        shard = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+        loader, per_rank = DataLoader(train_set, sampler=shard, **common), shard.num_samples
+    per_step = args.batch_size * args.accum  # samples per process and optimizer step
+    steps_per_epoch = per_rank // per_step
     if steps_per_epoch == 0:
         raise SystemExit(f"an epoch has fewer than {args.accum} batches of {args.batch_size} per process")
-    total_steps = steps_per_epoch * args.epochs
+    global_batch = world_size * per_step
+
+    # Resume from the newest checkpoint that loads. Rank 0 chooses and tells the others, so that all
+    # ranks resume from the same one.
+    found, refused = None, None
+    if is_main:
+        for stale in out.glob(".*.tmp"):  # a save cut off before its rename (the one it replaced is whole)
+            remove(stale)
+        (out / STOPPED_MARKER).unlink(missing_ok=True)
+        try:
+            found = newest_loadable_checkpoint(out, device)
+        except CheckpointError as error:
+            refused = str(error)
+    chosen = [str(found[0]) if found else None, refused]
+    dist.broadcast_object_list(chosen)
+    if chosen[1]:
+        raise SystemExit(chosen[1])  # on every rank: none waits for the others
+    ckpt, state, saved = None, None, {}
+    if chosen[0] is not None:
+        ckpt = Path(chosen[0])
+        # (FileNotFoundError on another machine: --out is not a folder that every machine sees)
+        state = found[1] if is_main else load_train_state(ckpt, device)
+        saved = state.get("settings", {})
+
+    # Where the run is: optimizer steps done, the epoch, and how many of this epoch's samples the
+    # ranks took together (which goes on at any number of processes: ResumableSampler, RankStream).
+    step, epoch, consumed, best = 0, 0, 0, None
+    if state is not None:
+        step, best = state["step"], state.get("best")
+        if "epoch" in state:
+            epoch, consumed = state["epoch"], state["consumed"]
+        else:  # (a checkpoint of an earlier version of this script)
+            epoch, done = divmod(step, steps_per_epoch)
+            consumed = done * saved.get("global_batch", global_batch)
+    total_steps = step
+    if epoch < args.epochs:  # the rest of this epoch, then whole epochs
+        total_steps += (per_rank - consumed // world_size) // per_step + steps_per_epoch * (args.epochs - epoch - 1)
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
+    resized = state is not None and saved.get("world_size", world_size) != world_size
+    if state is not None:
+        problems = resume_problems(saved, args, world_size, None if resized else total_steps)
+        if problems:
+            raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
+                             f"the old ones, or start afresh with a new --out")
 
     net = build_model()
     if args.pretrained:
@@ -643,102 +907,106 @@ def main() -> None:
         torch.set_float32_matmul_precision("high")  # (cuDNN's convolutions use TF32 by default already)
     if args.compile:
         net.compile()  # nn.Module.compile: in place, so state_dict keys stay as they are
-    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.fsdp:
+        model = shard_model(net, amp_dtype)  # in place: model is net
+    else:
+        model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer, scheduler = build_optimizer(model, args, total_steps)
-    amp_dtype = pick_amp(args.amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
 
     best_path = out / "best.pt"
     settings = {**{k: getattr(args, k) for k in KEPT_ON_RESUME}, "schedule_steps": total_steps,
-                "global_batch": world_size * args.batch_size * args.accum, "world_size": world_size}
-    step, best = 0, None  # step: optimizer steps done; best: the best value of BEST_METRIC so far
-    # Resume from the newest checkpoint that loads. Rank 0 chooses and tells the others, so that all
-    # ranks resume from the same file.
-    found, refused = None, None
-    if is_main:
-        for stale in out.glob(".*.tmp"):  # a save cut off before its rename (the file it replaced is whole)
-            stale.unlink(missing_ok=True)
-        try:
-            found = newest_loadable_checkpoint(out, device)
-        except CheckpointError as error:
-            refused = str(error)
-    chosen = [str(found[0]) if found else None, refused]
-    dist.broadcast_object_list(chosen)
-    if chosen[1]:
-        raise SystemExit(chosen[1])  # on every rank: none waits for the others
-    if chosen[0] is not None:
-        ckpt = Path(chosen[0])
-        # (FileNotFoundError on another machine: --out is not a folder that every machine sees)
-        state = found[1] if is_main else torch.load(ckpt, map_location=device, weights_only=True)
-        saved = state.get("settings", {})
-        problems = resume_problems(saved, args, world_size, total_steps)
-        if problems:
-            raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
-                             f"the old ones, or start afresh with a new --out")
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+                "global_batch": global_batch, "world_size": world_size, "batch_size": args.batch_size,
+                "accum": args.accum}
+    if state is not None:
+        if args.fsdp:
+            load_sharded(net, optimizer, ckpt)  # every rank its shards (resharded at another world size)
+        else:
+            net.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
-        step, best = state["step"], state.get("best")
         if step >= total_steps:
             log.info("%s is at step %d, and this run has %d steps in all: nothing to do (more --epochs or "
                      "--max-steps go on, with --new-schedule)", ckpt, step, total_steps)
         # The schedule is built for total_steps (the same as the checkpoint's, or a new one with
-        # --new-schedule), not restored: step it to where the run is (learning rate only, no update).
+        # --new-schedule or at another world size), not restored: step it to where the run is
+        # (learning rate only, no update).
         saved_lr = optimizer.param_groups[0]["lr"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
             for _ in range(min(step, total_steps)):
                 scheduler.step()
-        if saved.get("schedule_steps", total_steps) != total_steps:
-            log.warning("--new-schedule: %d steps instead of %d; the learning rate goes from %.4g to %.4g",
-                        total_steps, saved["schedule_steps"], saved_lr, optimizer.param_groups[0]["lr"])
-        if len(state["rng"]) == world_size:
-            set_rng_state(state["rng"][rank], device)
+        new_lr = optimizer.param_groups[0]["lr"]
+        if resized:
+            log.info("resumed at %d processes, the checkpoint had %d: the global batch is %d (was %d), "
+                        "%d steps in all (the schedule rebuilt: learning rate %.4g -> %.4g); the data goes "
+                        "on from sample %d of epoch %d in the same order, grouped in other batches; each "
+                        "process's random stream starts anew; not bit for bit with an uninterrupted run",
+                        world_size, saved["world_size"], global_batch, saved["global_batch"], total_steps,
+                        saved_lr, new_lr, consumed // world_size * world_size, epoch)
+            mix = (args.seed * 1_000_003 + step) * 1_009 + rank
+            random.seed(mix)
+            torch.manual_seed(mix)
         else:
-            log.warning("resumed with %d processes instead of %d (same global batch): the data order is the "
-                        "same, the ranks' random streams are not", world_size, len(state["rng"]))
-        log.info("resumed from %s at step %d (epoch %d)", ckpt, step, step // max(1, steps_per_epoch))
+            if saved.get("schedule_steps", total_steps) != total_steps:
+                log.warning("--new-schedule: %d steps instead of %d; the learning rate goes from %.4g to %.4g",
+                            total_steps, saved["schedule_steps"], saved_lr, new_lr)
+            set_rng_state(state["rng"][rank], device)
+        log.info("resumed from %s at step %d (epoch %d)", ckpt, step, epoch)
+        del state  # (the model and optimizer hold their own copies now)
 
     def save_checkpoint() -> Path:
-        """OUT/checkpoint-<step>.pt with everything a resume needs; only the newest --keep stay."""
+        """A checkpoint with everything a resume needs; only the newest --keep stay."""
         rngs = [None] * world_size
         dist.all_gather_object(rngs, rng_state(device))  # every rank's generators (e.g. for dropout)
-        path = out / f"checkpoint-{step:07d}.pt"
+        train_state = {"step": step, "epoch": epoch, "consumed": consumed, "best": best, "rng": rngs,
+                       "settings": settings, "scaler": scaler.state_dict()}
+        if args.fsdp:
+            path = out / f"checkpoint-{step:07d}"
+            broadcast_buffers(net)  # one rank's buffers are saved: make them every rank's
+            save_sharded(net, optimizer, train_state, path, is_main)
+        else:
+            path = out / f"checkpoint-{step:07d}.pt"
+            if is_main:
+                save_atomic({"model": net.state_dict(), "optimizer": optimizer.state_dict(), **train_state}, path)
         if is_main:
-            save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scaler": scaler.state_dict(), "step": step, "best": best, "rng": rngs,
-                         "settings": settings}, path)
             prune_checkpoints(out, args.keep)
         return path
 
-    # Two validation samples, batched without a DataLoader: iterating one draws from the global
-    # random generator, which a resumed run has just restored.
-    settle_bucket_order(model, collate([val_set[0], val_set[1 % len(val_set)]]))
-    log.info("%d process(es), backend %s, device %s, autocast %s, %d steps of %d x %d x %d samples",
-             world_size, dist.get_backend(), device.type, amp_dtype, total_steps, world_size,
-             args.accum, args.batch_size)
+    if not args.fsdp:
+        # Two validation samples, batched without a DataLoader: iterating one draws from the global
+        # random generator, which a resumed run has just restored.
+        settle_bucket_order(model, collate([val_set[0], val_set[1 % len(val_set)]]))
+    log.info("%d process(es), backend %s, device %s, %s, autocast %s, %d steps of %d x %d x %d samples",
+             world_size, dist.get_backend(), device.type, "FSDP" if args.fsdp else "DDP",
+             amp_dtype if use_autocast else None, total_steps, world_size, args.accum, args.batch_size)
     bar = tqdm(total=total_steps, initial=step, unit="step", disable=True if not is_main else None)
     stopped = False
-    # SIGTERM may reach one rank only, and all must stop at the same step: every step all-reduces the
-    # ranks' stop flags, without waiting, and reads the sum one step later (no pause for the GPU).
+    # A stop signal may reach one rank only, and all must stop at the same step: every step all-reduces
+    # the ranks' stop flags (the largest wins), without waiting, and reads it one step later (no
+    # pause for the GPU).
     stop_votes, stop_work = None, None
     micro_batches = None  # the DataLoader's iterator over this epoch (with its workers)
+
+    def epochs_done() -> float:
+        return epoch + consumed / (steps_per_epoch * global_batch)
 
     def validate_and_keep_best(stop_work):
         """Evaluate, log, and keep best.pt; returns None for the stop vote it waited for."""
         nonlocal best
         if stop_work is not None:
             stop_work.wait()  # (a vote still in flight would meet evaluate's all-reduce; the next step votes again)
-        val = evaluate(model.module, val_set, rank, world_size, device, args, amp_dtype)
-        log.info("step %d (epoch %.2f): validation %s", step, step / steps_per_epoch,
+        val = evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
+        log.info("step %d (epoch %.2f): validation %s", step, epochs_done(),
                  ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
         if is_main:
             write_metrics(metrics, {"step": step, "validation": val}, board)
         value = val[BEST_METRIC]
         if best is None or (value > best if HIGHER_IS_BETTER else value < best):
             best = value
+            weights = full_state_dict(net, args.fsdp)  # (with --fsdp, every rank takes part)
             if is_main:
-                save_atomic({"model": model.module.state_dict(), "step": step, BEST_METRIC: best}, best_path)
+                save_atomic({"model": weights, "step": step, BEST_METRIC: best}, best_path)
         return None
 
     metrics = out / "metrics.jsonl"  # rank 0 appends a line per log step and per validation
@@ -747,56 +1015,73 @@ def main() -> None:
     board = tensorboard_writer(out, purge_step=step) if is_main else None  # and TensorBoard's files, if installed
     window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
     while step < total_steps and not stopped:
-        epoch, done_in_epoch = divmod(step, steps_per_epoch)
-        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        if not streaming:
+            shard.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        set_epoch(train_set, epoch)  # the augmentation's epoch (workers get a fresh copy each epoch)
         loader.generator.manual_seed(args.seed * 100_003 + epoch)  # workers' seeds: the same on a resume
-        train_set.epoch = epoch  # the augmentation's epoch (workers get a fresh copy each epoch)
-        sampler.skip = done_in_epoch * args.accum * args.batch_size  # mid-epoch resume
+        shard.skip = consumed // world_size  # mid-epoch resume: the samples this rank took already
+        consumed = shard.skip * world_size
+        in_epoch = len(shard) // per_step
+        steps_now = min(in_epoch, total_steps - step)
         model.train()
         micro_batches = None  # the last epoch's workers stop before the new ones start
         micro_batches = start_workers(loader)
-        for _ in range(done_in_epoch, min(steps_per_epoch, done_in_epoch + total_steps - step)):
+        for i in range(steps_now):
             fail_once_if_asked(args, out, rank, step)
             time.sleep(args.step_delay)
+            if args.fsdp:
+                broadcast_buffers(net)  # as DDP's forward does: every rank's BatchNorm statistics are rank 0's
             for k in range(args.accum):
                 inputs, targets = to_device(split_batch(next(micro_batches)), device)
                 last = k == args.accum - 1
-                with model.no_sync() if not last else nullcontext():  # all-reduce once per step
-                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                if args.fsdp:
+                    net.set_requires_gradient_sync(last)  # reduce-scatter once per step
+                    sync = nullcontext()
+                else:
+                    sync = model.no_sync() if not last else nullcontext()  # all-reduce once per step
+                with sync:
+                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=use_autocast):
                         loss = loss_fn(model(inputs), targets) / args.accum
                     scaler.scale(loss).backward()
                 window["loss"] += loss.detach()
             scaler.unscale_(optimizer)  # clip (and log) the true gradients, not the scaled ones
             # --clip-grad 0: max_norm=inf measures the norm and scales by exactly 1, clipping nothing
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+                grad_norm = grad_norm.full_tensor()
             scaler.step(optimizer)  # skipped if fp16 gradients overflowed
             scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            consumed += global_batch
             bar.update()
             if stop_work is not None:
                 stop_work.wait()
-                if stop_votes.item() > 0:  # some rank got SIGTERM before the step before this one
+                vote = int(stop_votes.item())
+                if vote > 0:  # some rank got a stop signal before the step before this one
                     saved_to = save_checkpoint()
+                    if is_main:  # for the sbatch: requeue (SIGUSR1) or not
+                        (out / STOPPED_MARKER).write_text("requeue\n" if vote == 2 else "stop\n")
                     # No rank exits before rank 0 has written: an exit ends that rank's torchrun,
                     # and under `srun --kill-on-bad-exit` the whole step with it.
                     dist.barrier()
-                    log.info("SIGTERM: saved %s at step %d; run the same command to resume", saved_to, step)
+                    log.info("%s: saved %s at step %d; run the same command to resume",
+                             STOP_SIGNAL or "a stop signal to another process", saved_to, step)
                     stopped = True
                     break
             stop_votes = torch.tensor([float(STOP_REQUESTED)], device=device)
-            stop_work = dist.all_reduce(stop_votes, async_op=True)
+            stop_work = dist.all_reduce(stop_votes, op=dist.ReduceOp.MAX, async_op=True)
             window["steps"] += 1
             if step % args.log_every == 0:  # (no .item() between these points: the CPU runs ahead of the GPU)
                 loss_total = window["loss"].float()
                 dist.all_reduce(loss_total)
                 seconds = time.monotonic() - window["since"]
-                record = {"step": step, "epoch": round(step / steps_per_epoch, 4),
+                record = {"step": step, "epoch": round(epochs_done(), 4),
                           "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
                           "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0],
                           "step_time_s": seconds / window["steps"],
-                          "samples_per_s": window["steps"] * settings["global_batch"] / seconds}
+                          "samples_per_s": window["steps"] * global_batch / seconds}
                 eta = round((total_steps - step) * record["step_time_s"])
                 log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  "
                          "ETA %d:%02d:%02d", step, total_steps, record["loss"], record["grad_norm"], record["lr"],
@@ -804,29 +1089,30 @@ def main() -> None:
                 if is_main:
                     write_metrics(metrics, record, board)
                 window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
-            mid_epoch = step % steps_per_epoch != 0 and step != total_steps  # (the epoch's end does both below)
-            if args.eval_every and step % args.eval_every == 0 and mid_epoch:
+            last_of_pass = i == steps_now - 1  # (the epoch's or the run's end: validated and saved below)
+            if args.eval_every and step % args.eval_every == 0 and not last_of_pass:
                 stop_work = validate_and_keep_best(stop_work)
-            if step % args.checkpoint_every == 0 and mid_epoch:
+            if step % args.checkpoint_every == 0 and not last_of_pass:
                 save_checkpoint()
         if stopped:
             break
-        if step % steps_per_epoch == 0 or step == total_steps:  # validate, keep the best, checkpoint
-            stop_work = validate_and_keep_best(stop_work)
-            save_checkpoint()
+        if steps_now == in_epoch:  # the epoch is over
+            epoch, consumed = epoch + 1, 0
+        stop_work = validate_and_keep_best(stop_work)  # validate, keep the best, checkpoint
+        save_checkpoint()
     micro_batches = None  # stops this epoch's workers now (os._exit below would leave them behind)
     bar.close()
     if board is not None:
         board.close()
 
-
     if not stopped:
-        val = evaluate(model.module, val_set, rank, world_size, device, args, amp_dtype)
-        digest = weights_sha256(model.module)
-        log.info("final: validation %s, weights sha256 %s",
-                 ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"), digest[:16])
+        val = evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
+        weights = full_state_dict(net, args.fsdp)
         if is_main:
-            save_atomic(model.module.state_dict(), out / "final.pt")
+            digest = weights_sha256(weights)
+            log.info("final: validation %s, weights sha256 %s",
+                     ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"), digest[:16])
+            save_atomic(weights, out / "final.pt")
             result = {**val, "step": step, "world_size": world_size, "weights_sha256": digest}
             (out / "result.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()

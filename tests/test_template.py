@@ -20,6 +20,7 @@ import random
 import re
 import runpy
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,36 +99,51 @@ def test_one_and_four_processes_train_alike(tmp_path, four_processes):
     no_temporary_files(tmp_path / "one")
 
 
-def stop_with_sigterm(script: Path, out: Path, *args: str) -> int:
-    """SIGTERM to torchrun (as Slurm does before a time limit) as training starts; it passes it on to
-    every process, which must save a checkpoint within a step or two and exit cleanly, before
-    torchrun's 30 s grace runs out. Steps of 3 s (a slow model), no log line and no checkpoint due for
-    1000 steps: the stop must be seen at every step, not only where the script logs. Returns the step
-    it saved at."""
-    command = torchrun_command(script, 2, "--out", str(out), *TINY, *args, "--checkpoint-every", "1000",
+def stop_with_sigterm(script: Path, out: Path, *args: str, sig: signal.Signals = signal.SIGTERM,
+                      nproc: int = 2, marker: str = "process(es), backend", terminal: bool = False,
+                      latest: int = 3) -> int:
+    """A stop signal to torchrun (SIGTERM: as Slurm does before a time limit) when `marker` is
+    printed (by default as training starts); it passes it on to every process, which must save a
+    checkpoint within a step or two and exit cleanly, before torchrun's 30 s grace runs out. Steps of
+    3 s (a slow model), no log line and no checkpoint due for 1000 steps: the stop must be seen at
+    every step, not only where the script logs. terminal: the signal goes to torchrun's whole process
+    group, as a terminal's Ctrl-C does (torchrun passes it on too: each process gets it twice).
+    Returns the step it saved at."""
+    command = torchrun_command(script, nproc, "--out", str(out), *TINY, *args, "--checkpoint-every", "1000",
                                "--step-delay", "3", all_ranks=True)
     proc = subprocess.Popen(command, cwd=ROOT, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=terminal)
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "process(es), backend" in line:  # training starts: its first step takes 3 s
-                proc.send_signal(signal.SIGTERM)
+            if marker in line:
+                if terminal:
+                    os.killpg(proc.pid, sig)
+                else:
+                    proc.send_signal(sig)
                 break
         lines.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
     finally:
         if proc.poll() is None:
             proc.kill()
     log = "".join(lines)
-    assert "SIGTERM: saved" in log, log[-4000:]
+    assert f"{sig.name}: saved" in log, log[-4000:]
     # No process died: the one traceback is torchrun's own, which reports the signal it got.
     assert log.count("Traceback") == log.count("SignalException: Process") == 1, log[-4000:]
-    stopped_at = torch.load(max(out.glob("checkpoint-*.pt")), weights_only=True)["step"]
-    assert 1 <= stopped_at <= 3, log[-3000:]  # the step under way, and the one after it
+    newest = max(out.glob("checkpoint-*"))
+    stopped_at = t_load_step(newest)
+    first = int(marker.split("step ")[1].split("/")[0]) if marker.startswith("step ") else 0
+    assert first + 1 <= stopped_at <= first + latest, log[-3000:]  # the step under way, and the one after it
     assert not (out / "result.json").exists()
+    assert (out / ".stopped").read_text().strip() == ("requeue" if sig == signal.SIGUSR1 else "stop")
     no_temporary_files(out)
     return stopped_at
+
+
+def t_load_step(path: Path) -> int:
+    """The step of a checkpoint: a DDP file, or a DCP folder's train_state.pt."""
+    return torch.load(path / "train_state.pt" if path.is_dir() else path, weights_only=True)["step"]
 
 
 def test_sigterm_saves_and_a_killed_rank_resumes_bit_for_bit(tmp_path):
@@ -199,8 +215,8 @@ def _trial_process(script: Path, args: list[str], port: int, write_fd: int) -> N
 
 
 def sigterm_trial(out: Path, marker: str, delay: float, script: Path = SCRIPT,
-                  args: list[str] = FAST) -> tuple[int | None, str, bool]:
-    """Train (forked, one process), and SIGTERM the whole process group `delay` s after the line
+                  args: list[str] = FAST, sig: signal.Signals = signal.SIGTERM) -> tuple[int | None, str, bool]:
+    """Train (forked, one process), and SIGTERM (or `sig`) the whole process group `delay` s after the line
     containing `marker` appears. Returns (exit status, output, whether any process of the group
     was still alive 1 s after the training process exited)."""
     read_fd, write_fd = os.pipe()
@@ -228,7 +244,7 @@ def sigterm_trial(out: Path, marker: str, delay: float, script: Path = SCRIPT,
                 buffer += chunk
                 if not sent and marker.encode() in buffer:
                     time.sleep(delay)
-                    os.killpg(pid, signal.SIGTERM)
+                    os.killpg(pid, sig)
                     sent = True
         done, raw = os.waitpid(pid, 0 if time.monotonic() < deadline else os.WNOHANG)
         status = os.waitstatus_to_exitcode(raw) if done else None
@@ -386,14 +402,18 @@ def test_resume_adapts_to_more_epochs_and_refuses_other_settings(tmp_path):
     assert [r["step"] for r in steps[:4]] == [10, 20, 30, 40], records[:5]
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0 and r["samples_per_s"] > 0 for r in steps), steps
     assert any(r.get("validation", {}).get("count") == 360 for r in records), records[-3:]
-    # Another number of processes at the same global batch (1 x 32 = 2 x 16) goes on, with a warning.
+    # Another number of processes goes on, saying what changes (here not the global batch: 1 x 32 = 2 x 16).
     third, log = train(out, 1, "--epochs", "3", "--batch-size", "32", "--workers", "0", "--new-schedule")
-    assert "resumed with 1 processes instead of 2 (same global batch)" in log and third["step"] == 3 * 44, log[-3000:]
-    done = launch(SCRIPT, 2, "--out", str(out), *TINY, "--epochs", "4", "--batch-size", "8", "--lr", "0.5",
+    assert "resumed at 1 processes, the checkpoint had 2: the global batch is 32 (was 32)" in log, log[-3000:]
+    assert third["step"] == 3 * 44, third
+    # At the same number of processes, another global batch is refused, with advice that works.
+    done = launch(SCRIPT, 1, "--out", str(out), *TINY, "--epochs", "4", "--batch-size", "8", "--lr", "0.5",
                   "--workers", "0")
     log = done.stdout + done.stderr
     assert done.returncode != 0 and "written with other settings: --lr was 0.1, now 0.5; the global batch " \
-        "(processes x --batch-size x --accum) was 32, now 16" in log, log[-3000:]
+        "(processes x --batch-size x --accum) was 32, now 8 (resume with --batch-size 32 --accum 1)" in log, log[-3000:]
+    fourth, log = train(out, 1, "--epochs", "4", "--batch-size", "32", "--workers", "0", "--new-schedule")
+    assert fourth["step"] == 4 * 44 and "--new-schedule: 176 steps instead of 132" in log, log[-3000:]
 
 
 def test_evaluate_counts_every_target_through_the_models_own_loss():
@@ -763,3 +783,193 @@ def test_a_variable_length_sequence_model_adapted_where_the_readme_says_resumes_
     resumed, log = train(tmp_path / "stopped", 1, *args[2:], script=script, common=args[:2])
     assert "resumed from" in log, log[-3000:]
     assert resumed["weights_sha256"] == plain["weights_sha256"], "not bit for bit after SIGTERM and a resume"
+
+
+# --- Issue 42: every stop saves (REVIEW E), FSDP, another world size, streams ----------------------
+
+
+def test_sigint_sigusr1_and_sigusr2_save_like_sigterm_and_exit_0(tmp_path):
+    """Ctrl-C (SIGINT), the sbatch's time limit (SIGUSR1) and its save-and-stop (SIGUSR2), sent to
+    every process mid-epoch (loader workers busy), as `scancel --signal` without --batch sends them:
+    each saves, exits 0, no worker outlives the run, and OUT/.stopped tells the sbatch whether to
+    requeue (SIGUSR1 only)."""
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        out = tmp_path / sig.name
+        status, log, lingering = sigterm_trial(out, PHASES["mid-epoch (workers busy)"], 0.01, sig=sig)
+        assert status == 0 and f"{sig.name}: saved" in log and "Traceback" not in log and not lingering, log[-3000:]
+        assert (out / ".stopped").read_text().strip() == ("requeue" if sig == signal.SIGUSR1 else "stop"), sig
+        assert list(out.glob("checkpoint-*.pt")) and not (out / "result.json").exists(), sig
+        no_temporary_files(out)
+
+
+def test_the_epoch_reaches_a_dataset_inside_subset_random_split_and_concat():
+    """REVIEW E5: the loop sets the epoch through set_epoch, which reaches the dataset that random_split's
+    Subset wraps: its augmentation changes from epoch to epoch."""
+    from torch.utils.data import ConcatDataset, random_split
+
+    t = template_module()
+    digits = t.build_datasets(0)[0]
+    train, _ = random_split(digits, [0.9, 0.1], generator=torch.Generator().manual_seed(0))
+    first = train[0][0].clone()
+    t.set_epoch(train, 1)
+    assert digits.epoch == 1 and not torch.equal(train[0][0], first), "augmentation frozen inside a Subset"
+    t.set_epoch(ConcatDataset([train, digits]), 5)
+    assert digits.epoch == 5
+    source = SCRIPT.read_text()
+    assert "set_epoch(train_set, epoch)" in source  # what the loop calls each epoch
+    readme = (ROOT / "template" / "README.md").read_text()
+    assert "`.epoch`" in readme and "random_split" in readme
+
+
+def test_sbatch_names_the_script_in_a_variable_and_agrees_with_the_readme():
+    """REVIEW E6, E8, E9: SCRIPT= names the training file; the header and the README say the same of a
+    plain scancel; the README's Slurm part starts with what to change for a short job."""
+    sbatch = (ROOT / "template" / "train_ddp.sbatch").read_text()
+    readme = (ROOT / "template" / "README.md").read_text()
+    assert 'SCRIPT=${SCRIPT:-template/train_ddp.py}' in sbatch and '"$SCRIPT" --out' in sbatch
+    assert "template/train_ddp.py --out" not in sbatch.split("set -uo pipefail")[1]
+    plain = "srun and Slurm's SIGKILL (KillWait later) may end it first"
+    assert plain in " ".join(sbatch.replace("#", " ").split()) and plain in " ".join(readme.split())
+    slurm = readme[readme.index("## Slurm"):]
+    assert slurm.index("--time") < slurm.index("SAVE_MARGIN") < 600, slurm[:800]
+    for words in ("ignore_index", "-100", "BatchNorm", "another number of processes"):
+        assert words in readme, words
+
+
+STREAM = {  # an IterableDataset: the digits as a stream, in an order and with noise drawn from (seed, epoch)
+    "build_datasets": '''
+class DigitStream(IterableDataset):
+    """No random access: the samples come in an order drawn from (seed, epoch), each with noise drawn
+    from (seed, epoch, position): every process sees the same stream, and RankStream shards it."""
+
+    def __init__(self, images, labels, seed):
+        self.images, self.labels, self.seed, self.epoch = images, labels, seed, 0
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        for position, i in enumerate(torch.randperm(len(self.labels), generator=g).tolist()):
+            noise = torch.Generator().manual_seed((self.seed * 1000 + self.epoch) * 1_000_000 + position)
+            yield self.images[i] + 0.05 * torch.randn(self.images[i].shape, generator=noise), self.labels[i]
+
+
+def build_datasets(seed: int):
+    from sklearn.datasets import load_digits
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(bunch.target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+    val, train = order[:360], order[360:]
+    return DigitStream(images[train], labels[train], seed), Digits(images[val], labels[val], False, seed)
+''',
+}
+
+
+@pytest.mark.timeout(900)  # several torchrun jobs one after the other
+def test_an_iterable_dataset_stops_at_any_moment_and_resumes_at_the_right_sample_bit_for_bit(tmp_path):
+    """A stream sharded by rank (RankStream) and by loader worker (2 per process): stopped by SIGTERM
+    at a step drawn at random, resumed with another number of workers, it ends with the uninterrupted
+    run's weights, bit for bit (each sample taken once, in the same order)."""
+    script = adapted_template(tmp_path, STREAM)
+    args = ["--batch-size", "16", "--max-steps", "30", "--log-every", "1"]
+    plain, _ = train(tmp_path / "plain", 2, *args, "--workers", "2", script=script)
+    assert plain["step"] == 30 and plain["accuracy"] > 0.3, plain
+    at = random.Random(42).randint(2, 9)
+    stopped_at = stop_with_sigterm(script, tmp_path / "stopped", *args, "--workers", "2", marker=f"step {at}/")
+    resumed, log = train(tmp_path / "stopped", 2, *args, "--workers", "1", script=script)
+    assert f"at step {stopped_at} " in log, log[-3000:]
+    assert resumed["weights_sha256"] == plain["weights_sha256"], "a stream resumed at another sample"
+
+
+FSDP_ARGS = ["--batch-size", "16", "--max-steps", "30", "--fsdp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_plain(tmp_path_factory) -> tuple[dict, Path]:
+    """The uninterrupted 2-process FSDP run of 30 steps (checkpoints at 10, 20, 30)."""
+    out = tmp_path_factory.mktemp("fsdp") / "plain"
+    result, log = train(out, 2, *FSDP_ARGS, "--workers", "0")
+    assert "DDP" not in log.split("process(es), backend")[1].split("\n")[0] and result["step"] == 30, log[-3000:]
+    return result, out
+
+
+@pytest.mark.timeout(900)  # several torchrun jobs one after the other
+def test_fsdp_ctrl_c_saves_shards_and_a_killed_rank_resumes_bit_for_bit(tmp_path, fsdp_plain):
+    """--fsdp: Ctrl-C (SIGINT to torchrun's whole process group, as a terminal sends it) saves a
+    sharded DCP checkpoint (each rank wrote its part); the same command resumes, a rank is then
+    killed and restarted; the run ends with the uninterrupted run's weights, bit for bit."""
+    plain, _ = fsdp_plain
+    out = tmp_path / "stopped"
+    stopped_at = stop_with_sigterm(SCRIPT, out, *FSDP_ARGS, "--workers", "1", sig=signal.SIGINT, terminal=True)
+    saved = out / f"checkpoint-{stopped_at:07d}"
+    assert saved.is_dir() and sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    fail_at = stopped_at + 10
+    resumed, log = train(out, 2, *FSDP_ARGS, "--workers", "1", "--fail-at-step", fail_at, "--fail-rank", "1",
+                         restarts=1)
+    assert f"resumed from {saved} at step {stopped_at} " in log and log.count("resumed from") == 2, log[-3000:]
+    assert resumed["weights_sha256"] == plain["weights_sha256"], "FSDP: not bit for bit after Ctrl-C and a restart"
+
+
+@pytest.mark.timeout(900)  # several torchrun jobs one after the other
+def test_fsdp_checkpoints_are_atomic_and_an_unreadable_one_is_skipped(tmp_path, fsdp_plain):
+    """A DCP folder under its final name is whole (written as .checkpoint-<step>.tmp/, renamed after every
+    rank wrote); one cut off before its rename is removed at the next start and never loaded; a
+    newest one that cannot be read is skipped, the one before it loads, and the run ends bit for bit;
+    retention keeps the newest readable folders."""
+    plain, source = fsdp_plain
+    out = tmp_path / "run"
+    out.mkdir()
+    for step in (20, 30):
+        shutil.copytree(source / f"checkpoint-{step:07d}", out / f"checkpoint-{step:07d}")
+    assert not (out / "checkpoint-0000010").exists()  # --keep 2: the oldest went
+    (out / "checkpoint-0000030" / "train_state.pt").write_bytes(b"cut off")
+    shutil.copytree(source / "checkpoint-0000020", out / ".checkpoint-0000025.tmp")  # a save cut off mid-write
+    (out / ".checkpoint-0000025.tmp" / "train_state.pt").unlink()
+    t = template_module()
+    assert not t.readable(out / "checkpoint-0000030") and t.readable(out / "checkpoint-0000020")
+    resumed, log = train(out, 2, *FSDP_ARGS, "--workers", "0")
+    assert "checkpoint-0000030 cannot be read" in log and "at step 20 " in log, log[-3000:]
+    assert resumed["weights_sha256"] == plain["weights_sha256"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-0000020", "checkpoint-0000030"]
+    assert t.readable(out / "checkpoint-0000030")  # written again, whole
+    no_temporary_files(out)
+
+
+def crash_at(out: Path, nproc: int, step: int, *args: str) -> str:
+    """Train under torchrun until rank 0 kills itself before `step` (no restart): the checkpoints
+    stay. Returns the log."""
+    done = launch(SCRIPT, nproc, "--out", str(out), *TINY, *args, "--fail-at-step", str(step), torchrun=True)
+    log = done.stdout + done.stderr
+    assert done.returncode != 0 and f"killing myself (SIGKILL) before step {step}" in log, log[-3000:]
+    return log
+
+
+RESIZED = re.compile(r"resumed at (\d) processes, the checkpoint had (\d): the global batch is (\d+) \(was "
+                     r"(\d+)\), (\d+) steps in all")
+
+
+@pytest.mark.timeout(900)  # several torchrun jobs one after the other
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_resume_at_another_number_of_processes_goes_on_and_says_what_changes(tmp_path, kind):
+    """FSDP: a DCP checkpoint of 4 processes resumes at 2, and one of 2 at 3 (DCP reshards the model
+    and the optimizer); DDP: a checkpoint of 2 resumes at 3. Each says in one line what changes
+    (global batch, schedule, data order), goes on from the right sample, and finishes the epochs."""
+    args = ["--batch-size", "16", "--workers", "0"] + (["--fsdp"] if kind == "fsdp" else [])
+    out = tmp_path / "run"
+    log = ""
+    if kind == "fsdp":
+        crash_at(out, 4, 12, *args)  # 22 steps an epoch of 4 x 16; checkpoint at 10: 640 samples taken
+        log += crash_at(out, 2, 40, *args)  # at 2: 24 steps to the epoch's end (78 in all); checkpoint at 40
+        expected = [("2", "4", "32", "64", 78), ("3", "2", "48", "32", 65)]
+    else:
+        crash_at(out, 2, 12, *args)  # 44 steps an epoch of 2 x 16; checkpoint at 10: 320 samples taken
+        expected = [("3", "2", "48", "32", 62)]
+    result, last = train(out, 3, *args)
+    log += last
+    changes = [(*c[:4], int(c[4])) for c in RESIZED.findall(log)]
+    assert changes == expected, log[-3000:]
+    assert "the data goes on from sample" in log and "not bit for bit" in log, log[-3000:]
+    assert result["step"] == expected[-1][4] and result["world_size"] == 3 and result["count"] == 360, result
+    assert result["accuracy"] >= 0.5, result  # it goes on learning (chance: 0.10)
