@@ -7,7 +7,7 @@ lab's X (this module never imports the lab).
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
+import os
 from itertools import combinations
 from types import SimpleNamespace
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.compare import all_gather_tensor
+from ringside.standin import StandInDeviceError, StandInGPU
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -115,67 +116,89 @@ def check_streams_kept(checks: Checks, rank: int, device: torch.device) -> bool:
     return True
 
 
-def build_model_as_on_a_gpu() -> dict | None:
-    """build_model(SEED, cuda:0) rehearsed on this CPU: which generators it would save and restore.
+def local_gpus() -> tuple[int, int]:
+    """(GPUs on this node, this rank's GPU) as a GPU job would have them: one GPU per local rank."""
+    mine = int(os.environ.get("LOCAL_RANK", 0))
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), mine + 1), mine
 
-    Nothing touches CUDA: Module.to(a CUDA device) keeps the module where it is, fork_rng records the
-    devices it was given and saves the CPU's generator only, and CUDA's get/set_rng_state are recorded.
-    None when the rehearsal cannot tell (the code did something it does not model)."""
-    asked = {"fork_rng": [], "cuda_state_saved": False}
-    real_fork_rng, real_to = torch.random.fork_rng, torch.nn.Module.to
 
-    @contextmanager
-    def fork_rng(devices=None, enabled=True, *args, **kwargs):
-        asked["fork_rng"].append(None if devices is None else list(devices))
-        with real_fork_rng(devices=[], enabled=enabled):
-            yield
+def stand_in(*functions) -> StandInGPU:
+    """A stand-in GPU per local rank (see ringside.standin), this rank's one current, reaching the
+    names the lab's module imported from torch.cuda too."""
+    count, mine = local_gpus()
+    return StandInGPU(devices=count, current=mine, namespaces=[f.__globals__ for f in functions])
 
-    def to(module, *args, **kwargs):
-        target = args[0] if args else kwargs.get("device")
-        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cuda":
-            return module
-        return real_to(module, *args, **kwargs)
 
-    def saved(*args, **kwargs):
-        asked["cuda_state_saved"] = True
-        return torch.get_rng_state()
-
-    names = {"fork_rng": fork_rng}
-    module_globals = lab.build_model.__globals__
-    replaced = {k: v for k, v in module_globals.items() if v is real_fork_rng}  # `from torch.random import fork_rng`
-    try:
-        torch.random.fork_rng, torch.nn.Module.to = fork_rng, to
-        real_state = (torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.cuda.get_rng_state_all,
-                      torch.cuda.set_rng_state_all)
-        torch.cuda.get_rng_state = torch.cuda.get_rng_state_all = saved
-        torch.cuda.set_rng_state = torch.cuda.set_rng_state_all = lambda *a, **k: None
-        module_globals.update({k: names["fork_rng"] for k in replaced})
-        lab.build_model(lab.SEED, torch.device("cuda", 0))
-    except Exception:
+def gpu_state_finding(after: bytes, before: bytes, seed: int, rank_seed: int, gpu: str) -> str | None:
+    """What a function left in this rank's GPU generator (`gpu`), compared with before it ran."""
+    if after == before:
         return None
-    finally:
-        torch.random.fork_rng, torch.nn.Module.to = real_fork_rng, real_to
-        (torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.cuda.get_rng_state_all,
-         torch.cuda.set_rng_state_all) = real_state
-        module_globals.update(replaced)
-    return asked
+    if after == StandInGPU.seeded_state(seed):
+        return (f"on a GPU, build_model would reset this rank's CUDA generator to the shared seed {seed} "
+                f"(rehearsed here with a stand-in {gpu} whose generator has its own state): every rank's dropout "
+                f"on the GPU would then draw the same masks. torch.manual_seed seeds every GPU too, and "
+                f"fork_rng puts back only the generators of the devices it is given")
+    if after == StandInGPU.seeded_state(rank_seed):
+        return (f"on a GPU, build_model would restart this rank's CUDA generator from seed + rank = {rank_seed} "
+                f"(rehearsed with a stand-in {gpu}): every number drawn on the GPU since seed_everything comes "
+                f"again - leave the GPU generator as it was before the call")
+    return (f"on a GPU, build_model would leave this rank's CUDA generator in another state than before the call "
+            f"(rehearsed with a stand-in {gpu} whose generator has its own state): its dropout masks would no "
+            f"longer follow seed + rank - leave the GPU generator as it was")
 
 
-def check_gpu_stream_kept(checks: Checks, device: torch.device) -> None:
-    """On a CPU rank, what build_model would do on a GPU: torch.manual_seed(seed) seeds every GPU too,
-    so fork_rng must save and restore this rank's GPU generator, or every rank's dropout on the GPU
-    starts from the shared seed (the chapter's headline bug, invisible on a CPU)."""
+def check_gpu_stream_kept(checks: Checks, rank: int, device: torch.device) -> None:
+    """On a CPU rank, what build_model would do on a GPU, judged by the state it leaves: a stand-in
+    GPU with a generator of its own is seeded by seed_everything, drawn from, then build_model runs
+    with the device cuda:LOCAL_RANK; its generator must be where it was. Whatever the code called
+    (torch.manual_seed, fork_rng, get/set_rng_state, torch.cuda.*), only the state is compared."""
     if device.type != "cpu":
         return  # on a GPU check_streams_kept sees the real CUDA generator
-    asked = build_model_as_on_a_gpu()
-    if asked is None or not asked["fork_rng"] or asked["cuda_state_saved"]:
-        return  # no fork_rng (the CPU checks name that), or the GPU state kept by hand
-    kept_gpu = all(devices is None or any(torch.device(d if not isinstance(d, int) else f"cuda:{d}").type == "cuda"
-                                          for d in devices) for devices in asked["fork_rng"])
-    checks.expect(kept_gpu, f"on a GPU, build_model would reset this rank's CUDA generator to the shared seed: "
-                            f"fork_rng(devices={asked['fork_rng'][0]}) saves and restores the CPU's generator only, "
-                            f"and torch.manual_seed(seed) seeds every GPU too (rehearsed here with device cuda:0) - "
-                            f"give fork_rng this rank's GPU: devices=[device] when device.type == 'cuda'")
+    count, mine = local_gpus()
+    gpu = f"cuda:{mine}"
+    with stand_in(lab.seed_everything, lab.build_model) as fake:
+        try:
+            lab.seed_everything(lab.SEED, rank)
+            fake.draw(mine)
+            before = fake.states()[gpu]
+            lab.build_model(lab.SEED, torch.device("cuda", mine))
+            after = fake.states()[gpu]
+        except StandInDeviceError as error:
+            checks.fail(f"on a GPU, build_model would ask for a GPU this node lacks ({error}; rehearsed with device "
+                        f"{gpu}, LOCAL_RANK {mine}): a rank's GPU is its local rank's")
+            return
+        except Exception as error:
+            if not StandInGPU.unjudgeable(error):
+                raise
+            NOTES.append(f"the GPU generator after build_model: not checkable here ({str(error).splitlines()[0][:60]})")
+            return
+    finding = gpu_state_finding(after, before, lab.SEED, lab.SEED + rank, gpu)
+    checks.expect(finding is None, finding or "")
+
+
+def check_gpu_seeded(checks: Checks, rank: int, device: torch.device) -> None:
+    """seed_everything must seed this rank's GPU generator with seed + rank too (on a CPU rank, a
+    stand-in GPU shows what it would hold): else its dropout on a GPU starts from the default seed,
+    the same on every rank."""
+    if device.type != "cpu":
+        return  # check_seed_everything draws from the real GPU
+    count, mine = local_gpus()
+    with stand_in(lab.seed_everything) as fake:
+        fake.draw(mine)
+        lab.seed_everything(lab.SEED, rank)
+        got = fake.states()[f"cuda:{mine}"]
+    if got == StandInGPU.seeded_state(lab.SEED + rank):
+        checks.expect(True, "")
+    elif got == StandInGPU.seeded_state(lab.SEED):
+        checks.fail(f"on a GPU, seed_everything would seed this rank's CUDA generator with the shared seed {lab.SEED} "
+                    f"(rehearsed with a stand-in cuda:{mine}): use seed + rank, so that ranks draw differently")
+    else:
+        checks.fail(f"on a GPU, seed_everything would leave this rank's CUDA generator unseeded (rehearsed with a "
+                    f"stand-in cuda:{mine}): its dropout masks would not follow seed + rank - torch.manual_seed "
+                    f"seeds the CPU and every GPU; the CPU's own generator alone does not")
+
+
+NOTES: list[str] = []  # what this run could not check, printed by rank 0 before the verdict
 
 
 STREAM_NAMES = {"cpu": "torch", "random": "Python random", "np.random": "NumPy"}
@@ -210,21 +233,33 @@ def streams_moved_diagnosis(moved: list[str], before: dict, after: dict, rank_se
 
 
 def check_loader_keeps_streams(checks: Checks, rank: int, world_size: int, device: torch.device) -> None:
-    """Making the loader must not touch the global streams: its generator is a new one of its own."""
+    """Making the loader, and starting to read it, must leave the global streams as they were: its
+    workers' seeds come from a generator of its own. A DataLoader draws its base seed when an epoch's
+    iterator starts, from its `generator=`, or from the global torch stream when it has none; the
+    augmentations then depend on whatever the job drew before, and reading the loader moves the
+    stream that the dropout masks come from."""
     lab.seed_everything(lab.SEED, rank)
     draw_a_little(device)
     before = rng_states(device)
-    lab.make_loader(lab.JitteredImages(), lab.SEED, rank, world_size)
+    loader = lab.make_loader(lab.JitteredImages(), lab.SEED, rank, world_size, workers=0)
+    made = rng_states(device)
+    epoch = iter(loader)  # workers=0: no process starts; the base seed is drawn here
+    del epoch
     after = rng_states(device)
-    moved = [name for name in before if after[name] != before[name]]
-    if not moved:
-        checks.expect(True, "")
-    elif "cpu" in moved and after["cpu"] == restarted_states(lab.SEED + rank)["cpu"]:
-        checks.fail("make_loader reseeded this rank's global torch generator: torch.manual_seed returns that "
-                    "global generator, not a new one - give the DataLoader torch.Generator().manual_seed(seed + rank)")
-    else:
-        checks.fail(f"make_loader changed this rank's global {streams(moved)}: the DataLoader needs a generator "
-                    f"of its own, torch.Generator().manual_seed(seed + rank)")
+    moved = [name for name in before if made[name] != before[name]]
+    if moved:
+        if "cpu" in moved and made["cpu"] == restarted_states(lab.SEED + rank)["cpu"]:
+            checks.fail("make_loader reseeded this rank's global torch generator: torch.manual_seed returns that "
+                        "global generator, not a new one - give the DataLoader a generator of its own")
+        else:
+            checks.fail(f"make_loader changed this rank's global {streams(moved)}: the DataLoader needs a generator "
+                        f"of its own")
+        return
+    moved = [name for name in before if after[name] != made[name]]
+    checks.expect(not moved, f"starting to read the loader moved this rank's global {streams(moved or ['cpu'])}: "
+                             f"the DataLoader drew its workers' base seed from it, so the augmentations depend on what "
+                             f"the job drew before, and every epoch shifts the dropout masks - the loader's workers "
+                             f"must take their seeds from a generator of the loader's own (seeded with seed + rank)")
 
 
 def check_order_follows_seed(checks: Checks, rank: int, world_size: int) -> None:
@@ -266,6 +301,12 @@ def check_shards(checks: Checks, run: dict, size: int) -> None:
                   f"all ranks cut one shared permutation - only the loader's generator takes the rank")
 
 
+def copied_draws(count: int) -> set[float]:
+    """The first draws of a dataset whose rng nobody reseeded: what a worker that kept its copy draws."""
+    dataset = lab.JitteredImages()
+    return {float(dataset[i][2]) for i in range(min(count, len(dataset)))}
+
+
 def check_draws_differ(checks: Checks, run: dict, rank: int) -> bool:
     """No two workers of any rank may draw alike. False when they do (the epoch check would only echo it)."""
     draws, workers = run["draws"], run["workers"]
@@ -275,23 +316,34 @@ def check_draws_differ(checks: Checks, run: dict, rank: int) -> bool:
         dist.all_gather_object([None] * dist.get_world_size(), None)  # in step with a rank that gathers below
         return False
     shared = set.intersection(*by_worker.values())
-    checks.expect(not shared, f"its DataLoader workers drew the same augmentations ({len(shared)} equal "
-                              f"draws): every worker copied dataset.rng - reseed it in seed_worker "
-                              f"(worker_init_fn) from torch.initial_seed()")
+    if shared and shared <= copied_draws(len(draws)):
+        checks.fail(f"its DataLoader workers drew the same augmentations ({len(shared)} equal draws), those of the "
+                    f"dataset's rng as it was built: every worker copied dataset.rng - reseed it in seed_worker "
+                    f"(worker_init_fn) from the seed torch gave the worker")
+    else:
+        checks.expect(not shared, f"its DataLoader workers drew the same augmentations ({len(shared)} equal draws), "
+                                  f"though torch gave each worker its own seed: the seeds seed_worker derives from it "
+                                  f"coincide for two workers - they must differ whenever torch.initial_seed() does")
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (sorted(draws.tolist()), sorted(set(run["worker_seeds"].tolist()))))
-    mine, my_seeds = set(every[rank][0]), set(every[rank][1])
-    clash = [r for r, (other, _) in enumerate(every) if r != rank and set(other) & mine]
+    dist.all_gather_object(every, ({w: sorted(d) for w, d in by_worker.items()},
+                                   sorted(set(run["worker_seeds"].tolist()))))
+    mine, my_seeds = set(draws.tolist()), set(every[rank][1])
+    clash = [r for r, (other, _) in enumerate(every) if r != rank and set().union(*map(set, other.values())) & mine]
     same_seeds = [r for r, (_, seeds) in enumerate(every) if r != rank and set(seeds) & my_seeds]
-    if not clash:
+    by_id = [r for r in clash if all(set(every[r][0].get(w, ())) & d for w, d in by_worker.items())]
+    if not clash or shared:  # a rank whose own workers draw alike: named above, and the ranks alike follow
         checks.expect(True, "")
     elif same_seeds:
         checks.fail(f"drew the same augmentations as rank(s) {clash}: their workers got the same seeds from "
                     f"torch - seed the loader's generator with seed + rank")
+    elif by_id == clash:
+        checks.fail(f"drew the same augmentations as rank(s) {clash}, worker for worker, although torch gave every "
+                    f"worker of every rank its own seed: seed_worker must derive the new seeds from "
+                    f"torch.initial_seed(), not from worker_id (the same on every rank) or a constant")
     else:
-        checks.fail(f"drew the same augmentations as rank(s) {clash}, although torch gave every worker of every "
-                    f"rank its own seed: seed_worker must derive the new seeds from torch.initial_seed(), not "
-                    f"from worker_id (the same on every rank) or a constant")
+        checks.fail(f"drew the same augmentations as rank(s) {clash}, although torch gave every worker of every rank "
+                    f"its own seed: the seeds seed_worker derives coincide across ranks - they must differ whenever "
+                    f"torch.initial_seed() does")
     return not shared and not clash
 
 
@@ -320,7 +372,8 @@ def main(me: Rank, checks: Checks) -> None:
     check_seed_everything(checks, me.rank, me.device)
     if not check_streams_kept(checks, me.rank, me.device):
         return  # build_model cannot run on this device: every later check would only repeat that
-    check_gpu_stream_kept(checks, me.device)
+    check_gpu_seeded(checks, me.rank, me.device)
+    check_gpu_stream_kept(checks, me.rank, me.device)
     check_loader_keeps_streams(checks, me.rank, me.world_size, me.device)
     check_order_follows_seed(checks, me.rank, me.world_size)
     first = lab.one_run(me.rank, me.world_size, me.device)
@@ -334,7 +387,9 @@ def main(me: Rank, checks: Checks) -> None:
     second = lab.one_run(me.rank, me.world_size, me.device)  # the same job again, from the same seed
     check_rerun(checks, first, second, me.rank)
     print0(f"{len(first['draws'])} augmented samples per rank, 2 workers each, epochs 0 and 1; "
-           f"the job ran twice from seed {lab.SEED}")
+           f"the job ran twice from seed {lab.SEED}; a stand-in GPU per local rank for the GPU generators")
+    for note in dict.fromkeys(NOTES):
+        print0(note)
 
 
 def run(**learner) -> None:

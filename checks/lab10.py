@@ -60,7 +60,6 @@ def readings(correct: torch.Tensor, losses: torch.Tensor, world_size: int) -> di
         "padded": lambda r: torch.ones(per_rank, dtype=torch.bool),
         "off by one": lambda r: r + world_size * k <= n,
         "no offset": lambda r: r + world_size * (k % lab.BATCH) < n,
-        "no rank": lambda r: world_size * k < n,
         "contiguous": lambda r: r * per_rank + k < n,
     }
     rows = {name: [] for name in [*masks, "batches", "batch means", "batch means, padding in",
@@ -111,6 +110,7 @@ def local_sums_finding(table: torch.Tensor, correct: torch.Tensor, losses: torch
         return None  # within the stated tolerance: a loss sum added up in float32 (4e-8 relative) passes too
     size = -(-n // world_size) * world_size
     whole = {  # mistakes that make all three sums wrong the same way
+        # (positions without the rank, k * world_size, are all below n_samples: the same effect, the same words)
         "padded": f"you counted the padded duplicates: DistributedSampler repeats {size - n} sample(s) so every "
                   f"rank gets as many - leave out positions >= {n} (position = rank + k * world_size, k counted "
                   f"across all of this rank's batches)",
@@ -118,7 +118,6 @@ def local_sums_finding(table: torch.Tensor, correct: torch.Tensor, losses: torch
                       f"must be positions < n_samples, not <=",
         "no offset": "the padding copies were left out only in each rank's first batch: the position of a sample "
                      "continues across batches - count the samples already seen and add them to k",
-        "no rank": "the positions leave out the rank: the k-th sample of rank r sits at r + k * world_size",
         "contiguous": "the positions assume contiguous shards (rank * shard size + k): DistributedSampler "
                       "strides, so the k-th sample of rank r sits at r + k * world_size",
     }
@@ -141,7 +140,6 @@ def local_sums_finding(table: torch.Tensor, correct: torch.Tensor, losses: torch
         "padded": "includes the padding copies (is the mask applied to it?)",
         "off by one": f"includes the sample at position {n}, a padding copy (the mask must be positions < n_samples)",
         "no offset": "leaves the padding out only in each rank's first batch (positions continue across batches)",
-        "no rank": "uses positions without the rank (the k-th sample of rank r sits at r + k * world_size)",
         "contiguous": "uses the positions of contiguous shards (DistributedSampler strides: r + k * world_size)",
     }
     other_says = {
@@ -254,6 +252,11 @@ def main(me: Rank, checks: Checks) -> None:
                         f"{tuple(getattr(sums, 'shape', ()))}: return one float64 tensor [correct, count, loss_sum] "
                         f"(float32 sums of 1,001 losses lose digits)")
             return
+        if sums.device != me.device:  # on NCCL exact_metrics' all_reduce would refuse them
+            checks.fail(f"{where}local_sums returned its sums on {sums.device}, but the data and the model are on "
+                        f"{me.device}: NCCL's all_reduce (in exact_metrics) takes tensors on the rank's GPU only - "
+                        f"make the sums where the data is")
+            return
         # Every rank's sums and whether dropout was on, for a diagnosis that looks at all ranks at once.
         mine = torch.cat([sums.detach().to(me.device), torch.tensor([float(any(dropout_on))], dtype=torch.float64,
                                                                     device=me.device)])
@@ -307,6 +310,15 @@ def main(me: Rank, checks: Checks) -> None:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
             return
+    device_note(me.device)
+
+
+def device_note(device: torch.device) -> None:
+    """What a CPU run cannot tell: on a CPU the data and the sums are on one device whatever the code
+    asked for, so sums made without device= pass here and fail on GPUs (NCCL takes GPU tensors only)."""
+    if device.type == "cpu":
+        print0("device of the sums: not checkable here (on a CPU every tensor is on the data's device; "
+               "on GPUs the check compares them)")
 
 
 def one_rank_proves_nothing(world_size: int) -> str | None:

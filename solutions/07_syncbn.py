@@ -28,15 +28,17 @@ def global_channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     count is how many values each channel has on all ranks together (batch x pixels), as a tensor.
     The ranks may hold different batch sizes: weight each rank by its count."""
     # HINT 1: a rank with a bigger batch must weigh more: add up quantities that add (counts, sums, sums of squares), never means
-    # HINT 2: stack [count, sum, sum of squares] per channel into one tensor, all_reduce it with SUM, then mean = sum / count and var = sum_sq / count - mean**2
-    # BEGIN SOLUTION: return (count, mean, biased variance) per channel over every rank's samples, as if one process held the global batch; the ranks' batch sizes may differ
+    # HINT 2: stack [count, sum, sum of squares] per channel into one float64 tensor (in float32, sum_sq / count - mean**2 loses the variance's digits when the mean is large against the spread), all_reduce it with SUM, then mean = sum / count and var = sum_sq / count - mean**2, returned in x's dtype
+    # BEGIN SOLUTION: return (count, mean, biased variance) per channel over every rank's samples, as if one process held the global batch; the ranks' batch sizes may differ, a rank may hold no sample, and a channel's mean may be large against its spread (1000 and 0.5)
     dims = reduce_dims(x)
-    local_sum = x.sum(dims)
-    local = torch.stack([torch.full_like(local_sum, x.numel() // x.shape[1]), local_sum, (x * x).sum(dims)])
+    wide = x.double()  # float64 sums: sum_sq / count - mean**2 keeps the digits that float32 would lose
+    local_sum = wide.sum(dims)
+    local = torch.stack([torch.full_like(local_sum, x.numel() // x.shape[1]), local_sum, (wide * wide).sum(dims)])
     dist.all_reduce(local, op=dist.ReduceOp.SUM)
     count, total, total_sq = local
     mean = total / count
     var = total_sq / count - mean * mean
+    count, mean, var = count.to(x.dtype), mean.to(x.dtype), var.to(x.dtype)
     # END SOLUTION
     return count, mean, var
 
@@ -78,13 +80,25 @@ class SyncBatchNormFunction(Function):
 
 
 class HandSyncBatchNorm2d(nn.BatchNorm2d):
-    """nn.BatchNorm2d whose training forward synchronizes across ranks; evaluation is unchanged."""
+    """nn.BatchNorm2d whose training forward synchronizes across ranks; evaluation is unchanged.
+    It takes nn.BatchNorm2d's options (momentum=None, affine=False, track_running_stats=False) and
+    hands the Function what it expects whatever they are: weight and bias (ones and zeros without
+    affine), running buffers (throwaway ones when none are kept) and the momentum of this step."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
+        if not self.training:  # the running statistics, or (without them) this rank's batch, as nn.SyncBatchNorm
             return super().forward(x)
-        return SyncBatchNormFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var,
-                                           self.eps, self.momentum)
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # a cumulative average over the batches seen, as nn.BatchNorm2d keeps it
+                momentum = 1.0 / float(self.num_batches_tracked)
+            running_mean, running_var = self.running_mean, self.running_var
+        else:
+            running_mean, running_var = x.new_zeros(self.num_features), x.new_ones(self.num_features)
+        weight = self.weight if self.affine else x.new_ones(self.num_features)
+        bias = self.bias if self.affine else x.new_zeros(self.num_features)
+        return SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, self.eps, momentum)
 
 
 if __name__ == "__main__":  # the check is in checks/lab07.py: you need not read it

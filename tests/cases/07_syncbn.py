@@ -2,6 +2,15 @@
 
 from mutation import Mutation, Variant
 
+# global_channel_stats' body after `dims = reduce_dims(x)`, replaced whole by the variants below
+STATS = ("    wide = x.double()  # float64 sums: sum_sq / count - mean**2 keeps the digits that float32 would lose\n"
+         "    local_sum = wide.sum(dims)\n"
+         "    local = torch.stack([torch.full_like(local_sum, x.numel() // x.shape[1]), local_sum, (wide * wide).sum(dims)])\n"
+         "    dist.all_reduce(local, op=dist.ReduceOp.SUM)\n"
+         "    count, total, total_sq = local\n"
+         "    mean = total / count\n"
+         "    var = total_sq / count - mean * mean\n"
+         "    count, mean, var = count.to(x.dtype), mean.to(x.dtype), var.to(x.dtype)\n")
 GRAD_X = ("per_channel(sum_dy / count, grad_out) - x_hat * per_channel(sum_dy_xhat / count, grad_out)")
 SAVE = ("        ctx.save_for_backward(x_hat, weight, invstd, count)\n"
         "        return x_hat * per_channel(weight, x) + per_channel(bias, x)\n")
@@ -35,8 +44,8 @@ MUTATIONS = [
     Mutation("backward without weight", "grad_x = per_channel(weight * invstd, grad_out)",
              "grad_x = per_channel(invstd, grad_out)", "the weight factor is missing", 2),
     Mutation("mean of means",
-             "torch.stack([torch.full_like(local_sum, x.numel() // x.shape[1]), local_sum, (x * x).sum(dims)])",
-             "torch.stack([torch.ones_like(local_sum), x.mean(dims), (x * x).mean(dims)])",
+             "torch.stack([torch.full_like(local_sum, x.numel() // x.shape[1]), local_sum, (wide * wide).sum(dims)])",
+             "torch.stack([torch.ones_like(local_sum), wide.mean(dims), (wide * wide).mean(dims)])",
              "are you averaging means instead of weighting by count?", 4),
     Mutation("count not all-reduced",
              "    dist.all_reduce(local, op=dist.ReduceOp.SUM)\n    count, total, total_sq = local\n",
@@ -68,12 +77,7 @@ MUTATIONS = [
 # Right code written otherwise: the check must pass it (found by trying it as a learner might).
 CORRECT = [
     Variant("two passes: the global mean first, then the squared deviations from it",
-            "    local_sum = x.sum(dims)\n"
-            "    local = torch.stack([torch.full_like(local_sum, x.numel() // x.shape[1]), local_sum, (x * x).sum(dims)])\n"
-            "    dist.all_reduce(local, op=dist.ReduceOp.SUM)\n"
-            "    count, total, total_sq = local\n"
-            "    mean = total / count\n"
-            "    var = total_sq / count - mean * mean\n",
+            STATS,
             "    local = torch.stack([torch.full_like(x.sum(dims), x.numel() // x.shape[1]), x.sum(dims)])\n"
             "    dist.all_reduce(local)\n"
             "    count, total = local\n"
@@ -92,4 +96,64 @@ MUTATIONS += [
     Mutation("normalized with 4-D views", "        x_hat = (x - per_channel(mean, x)) * per_channel(invstd, x)",
              "        x_hat = (x - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)",
              "reduce_dims(x) and per_channel(t, x)", 2),
+]
+
+NPROCS = (2, 3, 4)
+REFUSES = (1,)  # at one rank code with no all_reduce at all gives the right answer
+
+CORRECT += [
+    # (n, mean, M2) of each rank all-gathered and combined pairwise (Chan et al.), float32 throughout
+    Variant("per-rank (count, mean, M2) all-gathered and combined (Chan)", STATS,
+            "    n = torch.full((x.shape[1],), float(x.numel() // x.shape[1]), dtype=x.dtype, device=x.device)\n"
+            "    m = x.mean(dims) if x.numel() else torch.zeros_like(n)\n"
+            "    m2 = ((x - per_channel(m, x)) ** 2).sum(dims)\n"
+            "    everyone = [torch.empty_like(torch.stack([n, m, m2])) for _ in range(dist.get_world_size())]\n"
+            "    dist.all_gather(everyone, torch.stack([n, m, m2]))\n"
+            "    count, mean, M2 = everyone[0][0].clone(), everyone[0][1].clone(), everyone[0][2].clone()\n"
+            "    for other in everyone[1:]:\n"
+            "        nb, mb, m2b = other\n"
+            "        total = count + nb\n"
+            "        delta = mb - mean\n"
+            "        mean = mean + delta * nb / total.clamp_min(1)\n"
+            "        M2 = M2 + m2b + delta * delta * count * nb / total.clamp_min(1)\n"
+            "        count = total\n"
+            "    var = M2 / count\n", 4),
+    # the backward as torch's source writes it: x and the mean saved, sum(dy) and sum(dy * (x - mean)) reduced
+    Variant("backward from x - mean, as torch's source (sum_dy_xmu)",
+            "        ctx.save_for_backward(x_hat, weight, invstd, count)\n        return x_hat * per_channel(weight, x) + per_channel(bias, x)\n        # END SOLUTION\n\n    @staticmethod\n    def backward(ctx, grad_out):\n        # HINT 1: every x moved the global mean and variance, so each input's gradient depends on two per-channel sums over the whole global batch: sum(dy) and sum(dy * x_hat)\n        # HINT 2: all_reduce (SUM) both sums in one tensor; grad_x = weight * invstd * (dy - sum_dy / count - x_hat * sum_dy_xhat / count); grad_weight = sum(dy * x_hat) and grad_bias = sum(dy) over this rank only\n        # BEGIN SOLUTION: return the gradients of x, weight and bias: the input gradient of normalizing over the global batch, and this rank's own weight and bias gradients (DDP averages those itself)\n        x_hat, weight, invstd, count = ctx.saved_tensors\n        dims = reduce_dims(grad_out)\n        local_sums = torch.stack([grad_out.sum(dims), (grad_out * x_hat).sum(dims)])\n        grad_weight, grad_bias = local_sums[1].clone(), local_sums[0].clone()\n        dist.all_reduce(local_sums, op=dist.ReduceOp.SUM)\n        sum_dy, sum_dy_xhat = local_sums\n        grad_x = per_channel(weight * invstd, grad_out) * (\n            grad_out - per_channel(sum_dy / count, grad_out) - x_hat * per_channel(sum_dy_xhat / count, grad_out)\n        )\n",
+            "        ctx.save_for_backward(x, weight, mean, invstd, count)\n        return x_hat * per_channel(weight, x) + per_channel(bias, x)\n        # END SOLUTION\n\n    @staticmethod\n    def backward(ctx, grad_out):\n        # HINT 1: every x moved the global mean and variance, so each input's gradient depends on two per-channel sums over the whole global batch: sum(dy) and sum(dy * x_hat)\n        # HINT 2: all_reduce (SUM) both sums in one tensor; grad_x = weight * invstd * (dy - sum_dy / count - x_hat * sum_dy_xhat / count); grad_weight = sum(dy * x_hat) and grad_bias = sum(dy) over this rank only\n        # BEGIN SOLUTION: return the gradients of x, weight and bias: the input gradient of normalizing over the global batch, and this rank's own weight and bias gradients (DDP averages those itself)\n        x, weight, mean, invstd, count = ctx.saved_tensors\n        dims = reduce_dims(grad_out)\n        xmu = x - per_channel(mean, x)\n        sum_dy, sum_dy_xmu = grad_out.sum(dims), (grad_out * xmu).sum(dims)\n        grad_weight, grad_bias = sum_dy_xmu * invstd, sum_dy.clone()\n        both = torch.cat([sum_dy, sum_dy_xmu])\n        dist.all_reduce(both)\n        sum_dy, sum_dy_xmu = both.split(len(sum_dy))\n        grad_x = per_channel(weight * invstd, grad_out) * (\n            grad_out - per_channel(sum_dy / count, grad_out)\n            - xmu * per_channel(invstd * invstd * sum_dy_xmu / count, grad_out))\n", 2),
+    Variant("float64 sums of squares written otherwise, the variance clamped at 0", STATS, STATS.replace("(wide * wide).sum(dims)", "wide.pow(2).sum(dims)")
+            .replace("var = total_sq / count - mean * mean", "var = torch.clamp(total_sq / count - mean ** 2, min=0)"), 3),
+]
+
+MUTATIONS += [
+    # the between-rank term forgotten: the count-weighted mean of the ranks' own variances
+    Mutation("pooled variance", STATS,
+             "    n = x.numel() // x.shape[1]\n"
+             "    local = torch.stack([torch.full_like(x.sum(dims), n), x.sum(dims), x.var(dims, unbiased=False) * n])\n"
+             "    dist.all_reduce(local, op=dist.ReduceOp.SUM)\n"
+             "    count, total, var_sum = local\n"
+             "    mean = total / count\n"
+             "    var = var_sum / count\n",
+             "the count-weighted average of the ranks' own variances", 4),
+    # right on full ranks; a rank with no sample makes x.mean() nan, and nan * 0 stays nan on every rank
+    Mutation("each rank's mean and variance weighted by its count", STATS,
+             "    n = x.numel() // x.shape[1]\n"
+             "    m, v = x.mean(dims), x.var(dims, unbiased=False)\n"
+             "    local = torch.stack([torch.full_like(m, n), m * n, (v + m * m) * n])\n"
+             "    dist.all_reduce(local, op=dist.ReduceOp.SUM)\n"
+             "    count, total, total_sq = local\n"
+             "    mean = total / count\n"
+             "    var = total_sq / count - mean * mean\n",
+             "a mean or variance of an empty batch is 0 / 0 = nan", 2),
+    Mutation("running_var updated with var + eps", "momentum * var * count / (count - 1))",
+             "momentum * (var + eps) * count / (count - 1))", "eps belongs under the square root of the normalization only", 2),
+    Mutation("only sum(dy) all-reduced in backward", "dist.all_reduce(local_sums, op=dist.ReduceOp.SUM)",
+             "dist.all_reduce(local_sums[0], op=dist.ReduceOp.SUM)",
+             "sum(dy) is summed over every rank but sum(dy * x_hat) is this rank's only", 4),
+    Mutation("no communication at all", "    dist.all_reduce(local, op=dist.ReduceOp.SUM)\n    count, total, total_sq",
+             "    count, total, total_sq", "are the statistics all_reduced?", 2),
+    # the solution of round 3: sum_sq / count - mean**2 in float32 is 34% off at mean 1000, std 0.5
+    Mutation("sums of squares in float32", "    wide = x.double()  # float64 sums", "    wide = x  # float32 sums",
+             "the variance loses its digits where the mean is large against the spread", 2),
 ]

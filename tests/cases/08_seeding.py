@@ -75,11 +75,58 @@ MUTATIONS += [
     Mutation("fork_rng imported by name, devices=[]",
              "    with torch.random.fork_rng(devices=rank_devices):\n",
              "    from torch.random import fork_rng\n    with fork_rng(devices=[]):\n",
-             "fork_rng(devices=[]) saves and restores the CPU's generator only", 3),
+             "fork_rng puts back only the generators of the devices it is given", 3),
 ]
 CORRECT = [
     Variant("fork_rng over every device (devices left out)", "    with torch.random.fork_rng(devices=rank_devices):\n",
             "    with torch.random.fork_rng():\n", 2),
+    # chapter 08 cell 17's own recipe: only the CPU generator is seeded, the Net is drawn on the CPU
+    Variant("the chapter's recipe: fork_rng(devices=[]) and the CPU's default_generator", MODEL_BLOCK.replace(
+        "    with", '    rank_devices = [device] if device.type == "cuda" else []  # the GPU generator this rank draws from\n    with'),
+            "    with torch.random.fork_rng(devices=[]):  # only the CPU generator is touched\n"
+            "        torch.random.default_generator.manual_seed(seed)\n"
+            "        model = Net()  # Net() draws its weights on the CPU\n"
+            "    return model.to(device)\n", 2),
+    Variant("states saved and restored by hand, the GPU's included", MODEL_BLOCK.replace(
+        "    with", '    rank_devices = [device] if device.type == "cuda" else []  # the GPU generator this rank draws from\n    with'),
+            "    cpu_state = torch.get_rng_state()\n"
+            "    gpu_state = torch.cuda.get_rng_state(device) if device.type == 'cuda' else None\n"
+            "    torch.manual_seed(seed)\n"
+            "    model = Net().to(device)\n"
+            "    torch.set_rng_state(cpu_state)\n"
+            "    if gpu_state is not None:\n"
+            "        torch.cuda.set_rng_state(gpu_state, device)\n"
+            "    return model\n", 2),
+    Variant("every GPU's state saved and restored (get/set_rng_state_all)", MODEL_BLOCK,
+            "    states = torch.get_rng_state(), torch.cuda.get_rng_state_all() if device.type == 'cuda' else []\n"
+            "    torch.manual_seed(seed)\n    model = Net().to(device)\n"
+            "    torch.set_rng_state(states[0])\n"
+            "    if device.type == 'cuda':\n        torch.cuda.set_rng_state_all(states[1])\n"
+            "    return model\n", 2),
+    Variant("seeded generator by generator", "    torch.manual_seed(rank_seed)\n",
+            "    torch.random.default_generator.manual_seed(rank_seed)\n    torch.cuda.manual_seed_all(rank_seed)\n", 2),
+]
+
+MUTATIONS += [
+    # A GPU would show these; a stand-in GPU whose generator has its own state shows them on a CPU
+    Mutation("CPU state saved by hand, the GPU's forgotten", MODEL_BLOCK,
+             "    state = torch.get_rng_state()\n    torch.manual_seed(seed)\n    model = Net()\n"
+             "    torch.set_rng_state(state)\n    return model.to(device)\n",
+             "on a GPU, build_model would reset this rank's CUDA generator to the shared seed", 2),
+    Mutation("the chapter's recipe, the GPUs seeded too \"for safety\"", MODEL_BLOCK,
+             "    with torch.random.fork_rng(devices=[]):\n        torch.random.default_generator.manual_seed(seed)\n"
+             "        torch.cuda.manual_seed_all(seed)\n        model = Net()\n    return model.to(device)\n",
+             "on a GPU, build_model would reset this rank's CUDA generator to the shared seed", 2),
+    Mutation("only the CPU generator seeded in seed_everything", "    torch.manual_seed(rank_seed)\n",
+             "    torch.random.default_generator.manual_seed(rank_seed)\n",
+             "on a GPU, seed_everything would leave this rank's CUDA generator unseeded", 2),
+    # no generator=: the workers' base seed is drawn from the global stream when an epoch starts
+    Mutation("DataLoader without generator=", "                      worker_init_fn=seed_worker, generator=generator)\n",
+             "                      worker_init_fn=seed_worker)\n",
+             "starting to read the loader moved this rank's global torch stream", 2),
+    Mutation("worker seed keeps only the high bits", "    worker_seed = torch.initial_seed() % 2**32\n",
+             "    worker_seed = torch.initial_seed() >> 32\n",
+             "the seeds seed_worker derives from it coincide for two workers", 2),
 ]
 
 NODES = True  # LOCAL_RANK and the rank's device

@@ -1,5 +1,6 @@
 """Chapter 10: the mistakes an exact distributed evaluation's check must name."""
 
+import torch
 from mutation import Mutation, Variant
 
 MUTATIONS = [
@@ -13,7 +14,7 @@ MUTATIONS = [
     Mutation("positions without the rank",
              "positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)",
              "positions = world_size * torch.arange(seen, seen + len(y), device=device)",
-             "the positions leave out the rank", 4),
+             "you counted the padded duplicates", 4),  # k * world_size < n_samples always: the padding's effect
     Mutation("positions of contiguous shards",
              "positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)",
              "positions = rank * len(loader.sampler) + torch.arange(seen, seen + len(y), device=device)",
@@ -73,3 +74,72 @@ CORRECT = [  # a float32 loss sum of 1,001 losses is off by about 4e-8 relative,
 NPROCS = (2, 3, 4, 5)
 REFUSES = (1,)  # at one rank the classic mistakes give the right answer
 NODES = True  # rank-0 work
+
+# The body of local_sums, replaced whole by the variants written otherwise below
+BODY = (
+    "    rank, world_size = dist.get_rank(), dist.get_world_size()\n"
+    "    sums = torch.zeros(3, dtype=torch.float64, device=device)\n"
+    "    seen = 0\n"
+    "    model.eval()\n"
+    "    with torch.no_grad():\n"
+    "        for x, y in loader:\n"
+    "            x, y = x.to(device), y.to(device)\n"
+    "            logits = model(x)\n"
+    "            positions = rank + world_size * torch.arange(seen, seen + len(y), device=device)\n"
+    "            real = positions < n_samples\n"
+    "            seen += len(y)\n"
+    "            losses = F.cross_entropy(logits, y, reduction=\"none\")\n"
+    "            sums[0] += (logits.argmax(dim=1) == y)[real].sum()\n"
+    "            sums[1] += real.sum()\n"
+    "            sums[2] += losses[real].double().sum()\n"
+    "    return sums\n")
+
+CORRECT += [
+    # count the real samples with range(), concatenate the outputs, slice once; inference_mode; the mode restored
+    Variant("real samples counted with range(), outputs concatenated and sliced once", BODY,
+            "    rank, world_size = dist.get_rank(), dist.get_world_size()\n"
+            "    real = len(range(rank, n_samples, world_size))\n"
+            "    was_training = model.training\n"
+            "    model.eval()\n"
+            "    with torch.inference_mode():\n"
+            "        logits = torch.cat([model(x.to(device)) for x, _ in loader])[:real]\n"
+            "        labels = torch.cat([y.to(device) for _, y in loader])[:real]\n"
+            "    model.train(was_training)\n"
+            "    correct = (logits.argmax(1) == labels).sum().item()\n"
+            "    loss_sum = F.cross_entropy(logits.double(), labels, reduction=\"sum\").item()\n"
+            "    return torch.tensor([correct, real, loss_sum], dtype=torch.float64, device=device)\n", 4),
+    Variant("sums all-gathered, then added", "    totals = sums.clone()\n    dist.all_reduce(totals, op=dist.ReduceOp.SUM)\n"
+            "    correct, count, loss_sum = totals.tolist()\n",
+            "    everyone = [torch.empty_like(sums) for _ in range(dist.get_world_size())]\n"
+            "    dist.all_gather(everyone, sums)\n"
+            "    correct, count, loss_sum = torch.stack(everyone).sum(0).tolist()\n", 3),
+    Variant("float32 accumulator from torch.zeros(3, device=device), float64 returned",
+            "sums = torch.zeros(3, dtype=torch.float64, device=device)", "sums = torch.zeros(3, device=device)", 2),
+]
+CORRECT[-1] = CORRECT[-1]._replace(old=BODY, new=BODY.replace(
+    "sums = torch.zeros(3, dtype=torch.float64, device=device)", "sums = torch.zeros(3, device=device)").replace(
+    "    return sums\n", "    return sums.double()\n"))
+
+MUTATIONS += [
+    # duplicates looked for among this rank's own samples: the padding copies are of other ranks' samples
+    Mutation("duplicates removed by sample identity within the rank", BODY,
+             "    sums = torch.zeros(3, dtype=torch.float64, device=device)\n"
+             "    seen = set()\n"
+             "    model.eval()\n"
+             "    with torch.no_grad():\n"
+             "        for x, y in loader:\n"
+             "            x, y = x.to(device), y.to(device)\n"
+             "            logits = model(x)\n"
+             "            keep = torch.tensor([not (tuple(r.tolist()) in seen or seen.add(tuple(r.tolist()))) for r in x])\n"
+             "            losses = F.cross_entropy(logits, y, reduction=\"none\")\n"
+             "            sums[0] += (logits.argmax(dim=1) == y)[keep].sum()\n"
+             "            sums[1] += keep.sum()\n"
+             "            sums[2] += losses[keep].double().sum()\n"
+             "    return sums\n",
+             "you counted the padded duplicates", 4),
+]
+
+if torch.cuda.is_available():  # on a CPU every tensor is on the data's device: the PASS says so in one line
+    MUTATIONS.append(Mutation("sums made on the CPU (no device=)",
+                              "sums = torch.zeros(3, dtype=torch.float64, device=device)",
+                              "sums = torch.zeros(3, dtype=torch.float64)", "local_sums returned its sums on cpu", 2))
