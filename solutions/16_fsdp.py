@@ -1,22 +1,25 @@
 """Lab 16 - fully sharded data parallel by hand (ZeRO-3): a wrapper like DDP whose ranks each keep
-only a shard of every layer's parameters.
+only a shard of every block's parameters.
 
 Chapter 13's ZeRO-1 sharded the optimizer's state; here the parameters themselves are sharded. Each
-layer that holds a weight matrix is a *unit*: its parameters are flattened, padded with zeros to a
-multiple of the world size and cut into one shard per rank (an fp32 nn.Parameter: the master weight).
-One step:
+block of the model that holds a weight matrix (here: two Linears, as FSDP wraps a transformer block)
+is a *unit*: its parameters are flattened, padded with zeros to a multiple of the world size and cut
+into one shard per rank (an fp32 nn.Parameter: the master weight). One step:
 
     forward:   all-gather a unit just before it runs, free it as soon as it has run
-    backward:  gather it again where autograd needs it (a saved-tensor hook), free it when done,
-               and reduce-scatter the gradient of the gathered unit: each rank gets its shard's average
+    backward:  gather it again where autograd needs it (a saved-tensor hook), once per unit, free it
+               when done, and reduce-scatter the gradient of the gathered unit: each rank gets its
+               shard's average
     step:      any torch.optim optimizer on model.parameters(): this rank's shards
 
 A parameter outside the units (a norm's gain) or held by two units (a tied weight) stays whole on every
-rank, its gradient averaged by finish_gradient_sync(). With compute_dtype=torch.bfloat16 the units are
-gathered and computed in bf16 while the shards stay fp32, and gradients are reduced in fp32.
+rank, its gradient averaged by finish_gradient_sync(), each Parameter once. With
+compute_dtype=torch.bfloat16 the units are gathered (forward and backward) and computed in bf16 while
+the shards stay fp32, gradients are reduced in fp32, and full_parameters() still returns float32.
 
 The check trains your wrapper beside one process on the global batch and compares the weights after
-every step, counts what is gathered and when it is freed, and looks at the dtypes of the collectives.
+every step, counts what is gathered (and in which dtype) and when it is freed, counts the all-reduces of
+the replicated gradients, and reads full_parameters() under bf16 compute.
 
 Run it with 4 processes:
     make lab CH=16 NPROC=4
@@ -36,20 +39,32 @@ BATCH_PER_RANK = 8
 LR, MOMENTUM = 0.1, 0.9
 
 
+class Block(nn.Module):
+    """Two Linears with a tanh between them: one unit, gathered and freed as a whole."""
+
+    def __init__(self, n_in: int, n_mid: int, n_out: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(n_in, n_mid), nn.Linear(n_mid, n_out)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
 class Net(nn.Module):
-    """Four layers with weights (the units), a LayerNorm (replicated), a weight tied across two layers
-    (replicated) and a frozen bias. Unit sizes 845, 13, 13 and 130: padding is needed at every world
-    size from 2 to 5."""
+    """Four blocks (the units), a LayerNorm (replicated), a weight tied across two blocks (replicated)
+    and a frozen bias. Unit sizes 1261, 167, 167 and 168: the first three need padding at every world
+    size from 2 to 5, the last one divides by 2, 3 and 4. In backward autograd asks back fc2's weight of
+    every block (and fc1's of the last): views of the gathered unit at offsets other than 0."""
 
     def __init__(self):
         super().__init__()
-        self.inp = nn.Linear(64, 13)
+        self.inp = Block(64, 16, 13)
         self.norm = nn.LayerNorm(13)
-        self.hidden = nn.Linear(13, 13)
-        self.again = nn.Linear(13, 13)
-        self.again.weight = self.hidden.weight  # tied: one Parameter held by two layers
-        self.out = nn.Linear(13, 10)
-        self.out.bias.requires_grad_(False)     # frozen
+        self.hidden = Block(13, 11, 13)
+        self.again = Block(13, 11, 13)
+        self.again.fc1.weight = self.hidden.fc1.weight  # tied: one Parameter held by two blocks
+        self.out = Block(13, 7, 10)
+        self.out.fc2.bias.requires_grad_(False)         # frozen
 
     def forward(self, x):
         x = torch.tanh(self.norm(self.inp(x)))
@@ -64,20 +79,21 @@ def make_model() -> nn.Module:
 
 
 def find_units(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
-    """(layer, names of the parameters to shard) for every layer that holds a weight matrix: its own
-    trainable parameters that no other layer holds. Everything else stays whole on every rank."""
+    """(block, names of the parameters to shard, relative to the block: "fc2.weight") for every child of
+    the model that holds a weight matrix: its trainable parameters that no other layer holds.
+    Everything else stays whole on every rank."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1
     units = []
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is None or weight.dim() < 2 and not isinstance(module, nn.Embedding):
-            continue
-        names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and holders[id(p)] == 1]
+    for block in model.children():
+        if not any(p.dim() >= 2 for p in block.parameters()):
+            continue  # a norm: nothing worth sharding
+        names = [n for n, p in block.named_parameters(remove_duplicate=False)
+                 if p.requires_grad and holders[id(p)] == 1]
         if names:
-            units.append((module, names))
+            units.append((block, names))
     return units
 
 
@@ -143,11 +159,13 @@ class GatherUnit(torch.autograd.Function):
 
 
 class Unit:
-    """One layer's sharded parameters and the hooks that gather them when the layer runs."""
+    """One block's sharded parameters and the hooks that gather them when the block runs."""
 
     def __init__(self, module: nn.Module, names: list[str], dtype: torch.dtype):
         self.module, self.names, self.dtype = module, names, dtype
-        params = [module._parameters[n] for n in names]
+        # (the layer that holds it, its name there) for "fc2.weight": (module.fc2, "weight")
+        self.slots = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
+        params = [layer._parameters[leaf] for layer, leaf in self.slots]
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -155,25 +173,25 @@ class Unit:
         # BEGIN SOLUTION: self.shard: this rank's shard of flat, an fp32 nn.Parameter
         self.shard = nn.Parameter(shard_of(flat.float(), dist.get_rank(), dist.get_world_size()))
         # END SOLUTION
-        for n in names:  # the layer no longer holds them: they are gathered into plain attributes
-            del module._parameters[n]
-            setattr(module, n, None)
-        self.gathered = None        # the whole unit while the layer's forward runs
+        for layer, leaf in self.slots:  # the layers no longer hold them: they are gathered into plain attributes
+            del layer._parameters[leaf]
+            setattr(layer, leaf, None)
+        self.gathered = None        # the whole unit while the block's forward runs
         self.backward_copy = None   # the whole unit gathered again for backward
         self.saving = None
         module.register_forward_pre_hook(lambda m, args: self.before_forward())
         module.register_forward_hook(lambda m, args, out: self.after_forward())
 
     def place(self, full: torch.Tensor | None) -> None:
-        """Give the layer its parameters as views of the whole (padded) unit, or None."""
+        """Give the block's layers their parameters as views of the whole (padded) unit, or None."""
         pieces = full[:sum(self.numels)].split(self.numels) if full is not None else [None] * len(self.names)
-        for name, piece, shape in zip(self.names, pieces, self.shapes):
-            setattr(self.module, name, piece.view(shape) if piece is not None else None)
+        for (layer, leaf), piece, shape in zip(self.slots, pieces, self.shapes):
+            setattr(layer, leaf, piece.view(shape) if piece is not None else None)
 
     def before_forward(self) -> None:
-        # HINT 1: GatherUnit.apply(self.shard, self) gathers the unit so that autograd connects it to the shard; self.place puts it in the layer.
+        # HINT 1: GatherUnit.apply(self.shard, self) gathers the unit so that autograd connects it to the shard; self.place puts it in the block.
         # HINT 2: keep it in self.gathered (pack needs it), then open saved_tensors_hooks(self.pack, self.unpack) by hand: self.saving = ...; self.saving.__enter__()
-        # BEGIN SOLUTION: gather the unit through GatherUnit, place it in the layer, remember it in self.gathered, and enter saved-tensor hooks (self.pack, self.unpack) for the layer's forward
+        # BEGIN SOLUTION: gather the unit through GatherUnit, place it in the block, remember it in self.gathered, and enter saved-tensor hooks (self.pack, self.unpack) for the block's forward
         self.gathered = GatherUnit.apply(self.shard, self)
         self.place(self.gathered)
         self.saving = saved_tensors_hooks(self.pack, self.unpack)
@@ -181,7 +199,8 @@ class Unit:
         # END SOLUTION
 
     def pack(self, tensor: torch.Tensor):
-        """What autograd keeps of a tensor it saves during this layer's forward."""
+        """What autograd keeps of a tensor it saves during this block's forward (a weight is saved as a
+        view of the gathered unit: weight.t(), at the weight's offset in the unit)."""
         # HINT 1: a tensor that lives in the gathered unit's memory (same untyped_storage().data_ptr()) must not be kept: keep where it lies instead.
         # HINT 2: return (tensor.storage_offset(), tensor.size(), tensor.stride()) for those, the tensor itself for every other.
         # BEGIN SOLUTION: for a tensor in the gathered unit's memory, return only where it lies in it (offset, size, stride); any other tensor, itself
@@ -192,7 +211,7 @@ class Unit:
 
     def after_forward(self) -> None:
         # HINT 1: leave the saved-tensor hooks (self.saving.__exit__(None, None, None)), then drop every reference to the gathered unit.
-        # BEGIN SOLUTION: leave the saved-tensor hooks and free the gathered unit: no attribute of the layer or of self refers to it
+        # BEGIN SOLUTION: leave the saved-tensor hooks and free the gathered unit: no attribute of the block's layers or of self refers to it
         self.saving.__exit__(None, None, None)
         self.saving = None
         self.place(None)
@@ -200,7 +219,8 @@ class Unit:
         # END SOLUTION
 
     def unpack(self, packed):
-        """Autograd needs a saved tensor back, in backward."""
+        """Autograd needs a saved tensor back, in backward: the unit is gathered again once per backward,
+        however many of its tensors autograd asks back."""
         # HINT 1: a tuple is a place in the unit: gather the unit again (once per backward: keep it in self.backward_copy) and return the tensor at that place.
         # HINT 2: if self.backward_copy is None: self.backward_copy = all_gather_flat(self.shard, self.dtype); return self.backward_copy.as_strided(size, stride, offset)
         # BEGIN SOLUTION: a place in the unit -> that tensor, from the unit gathered again (once per backward, kept in self.backward_copy); anything else as it is
@@ -222,7 +242,7 @@ class FullyShardedDP(nn.Module):
         self.names = [(name, p) for name, p in model.named_parameters()]  # every parameter, before sharding
         self.units, self.where = [], {}  # where: id(parameter) -> (its unit, its index in the unit)
         for module, names in find_units(model):
-            params = [module._parameters[n] for n in names]
+            params = [module.get_parameter(n) for n in names]
             unit = Unit(module, names, compute_dtype or torch.float32)
             self.units.append(unit)
             self.where.update({id(p): (unit, i) for i, p in enumerate(params)})

@@ -58,6 +58,39 @@ MUTATIONS = [
     Mutation("views include a padding offset", "        pieces = full[:sum(self.numels)].split(self.numels)",
              "        pieces = full[-sum(self.numels):].split(self.numels)",
              "are the layer's views the first numel elements of the gathered unit", 2),
+    # REVIEW 4, A and C16 items 10-12: the backward re-gather at an offset, the tied weight, bf16 checkpoints
+    Mutation("unpack drops the storage offset", "        return self.backward_copy.as_strided(size, stride, offset)\n",
+             "        return self.backward_copy.as_strided(size, stride)\n", "unpack dropped the storage offset", 2),
+    Mutation("pack compares data_ptr(), not the storage",
+             "tensor.untyped_storage().data_ptr() == self.gathered.untyped_storage().data_ptr()",
+             "tensor.data_ptr() == self.gathered.data_ptr()", "tensor.data_ptr() is where a view's first element lies",
+             2),
+    Mutation("unpack gathers again for every saved tensor",
+             "        if self.backward_copy is None:\n            self.backward_copy = all_gather_flat(self.shard, self.dtype)\n"
+             "        return self.backward_copy.as_strided(size, stride, offset)\n",
+             "        return all_gather_flat(self.shard, self.dtype).as_strided(size, stride, offset)\n",
+             "once per backward", 2),
+    Mutation("unpack gathers in fp32, then casts",
+             "            self.backward_copy = all_gather_flat(self.shard, self.dtype)\n",
+             "            self.backward_copy = all_gather_flat(self.shard, torch.float32).to(self.dtype)\n",
+             "in the backward, 2x the bytes", 2),
+    Mutation("after_forward keeps self.gathered", "        self.place(None)\n        self.gathered = None\n",
+             "        self.place(None)\n", "the unit's attribute 'gathered' still refers to the gathered unit", 2),
+    Mutation("full parameters gathered in the compute dtype",
+             "all_gather_flat(unit.shard, torch.float32)[:sum(unit.numels)].split(unit.numels)",
+             "all_gather_flat(unit.shard, unit.dtype)[:sum(unit.numels)].split(unit.numels)",
+             "a checkpoint of the compute dtype", 2),
+    Mutation("the tied weight all-reduced twice", "            if p.grad is not None and id(p) not in done:\n",
+             "            if p.grad is not None:\n", "held by two layers, was all-reduced twice", 2),
+    Mutation("the frozen parameter's None handed to all_reduce",
+             "            if p.grad is not None and id(p) not in done:\n", "            if id(p) not in done:\n",
+             "out.fc2.bias has no gradient (grad is None: frozen)", 2),
+    Mutation("every unit keeps rank 0's shard",
+             "        self.shard = nn.Parameter(shard_of(flat.float(), dist.get_rank(), dist.get_world_size()))\n",
+             "        self.shard = nn.Parameter(shard_of(flat.float(), 0, dist.get_world_size()))\n",
+             "a shard of the wrong rank", 2),
+    Mutation("finish_gradient_sync does nothing", "        for _, _, p in self.replicated:\n", "        for _, _, p in []:\n",
+             "its gradient was not averaged", 2),
 ]
 
 
@@ -71,4 +104,27 @@ CORRECT = [
     Variant("reduce with SUM, then divide in fp32",
             "    dist.reduce_scatter_tensor(shard, grad, op=dist.ReduceOp.AVG)\n    return shard\n",
             "    dist.reduce_scatter_tensor(shard, grad)\n    return shard / dist.get_world_size()\n", 3),
+    Variant("pack keyed on the view's ._base",
+            "        if self.gathered is not None and tensor.untyped_storage().data_ptr() == "
+            "self.gathered.untyped_storage().data_ptr():\n",
+            "        if self.gathered is not None and (tensor._base if tensor._base is not None else tensor) is "
+            "self.gathered:\n", 2),
+    Variant("the replicated gradients averaged in one flat buffer",
+            "        done = set()\n        for _, _, p in self.replicated:\n"
+            "            if p.grad is not None and id(p) not in done:\n"
+            "                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n                done.add(id(p))\n",
+            "        grads = list({id(p): p.grad for _, _, p in self.replicated if p.grad is not None}.values())\n"
+            "        if grads:\n            flat = torch.cat([g.reshape(-1) for g in grads])\n"
+            "            dist.all_reduce(flat)\n            flat /= dist.get_world_size()\n"
+            "            for g, new in zip(grads, flat.split([g.numel() for g in grads])):\n"
+            "                g.copy_(new.view_as(g))\n", 2),
+    Variant("async all-gather, waited through its future, by a name imported from torch.distributed",
+            "    dist.all_gather_into_tensor(full, send)\n    return full\n",
+            "    from torch.distributed import all_gather_into_tensor\n"
+            "    all_gather_into_tensor(full, send, async_op=True).get_future().wait()\n    return full\n", 2),
+    Variant("unpack through torch.as_strided of the cached copy",
+            "        if self.backward_copy is None:\n            self.backward_copy = all_gather_flat(self.shard, self.dtype)\n"
+            "        return self.backward_copy.as_strided(size, stride, offset)\n",
+            "        if self.backward_copy is None:\n            self.backward_copy = all_gather_flat(self.shard, self.dtype)\n"
+            "        whole = self.backward_copy\n        return torch.as_strided(whole, size, stride, offset)\n", 2),
 ]
