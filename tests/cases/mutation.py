@@ -14,6 +14,7 @@ Each chapter has a file tests/cases/NN_slug.py with
 The original text must occur exactly once in the solution.
 """
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -38,8 +39,11 @@ class Variant(NamedTuple):
 
 
 
+@functools.cache
 def chapter_cases() -> dict[str, object]:
-    """stem -> the module tests/cases/<stem>.py, for every chapter that has one."""
+    """stem -> the module tests/cases/<stem>.py, for every chapter that has one. Read once per
+    process: collection asks for one chapter's settings once per test (391 mutations x 17 files
+    compiled again each time cost a pytest worker most of a minute of CPU)."""
     modules = {}
     for path in sorted(Path(__file__).parent.glob("[0-9][0-9]_*.py")):
         spec = importlib.util.spec_from_file_location(f"cases_{path.stem}", path)
