@@ -1,6 +1,28 @@
 """Chapter 13: the mistakes of a sharded Adam (ZeRO-1) by hand, each of which the lab's check must name."""
 
+from pathlib import Path
+
 from mutation import Mutation, Variant
+
+
+# A correct variant that changes __init__ and step together (REVIEW 4, C13 item 4): the text from the
+# moments to the step's gather, taken from the solution, with both parts changed.
+_SOLUTION = (Path(__file__).resolve().parents[2] / "solutions" / "13_sharding.py").read_text()
+_START = "        self.exp_avg = torch.zeros(self.stop - self.start, device=first.device, dtype=first.dtype)\n"
+_STOP = "        gather_params(param_shard, self.params)\n"
+INNER_ADAM_OLD = _SOLUTION[_SOLUTION.index(_START):_SOLUTION.index(_STOP) + len(_STOP)]
+INNER_ADAM_NEW = INNER_ADAM_OLD.replace(
+    _START + "        self.exp_avg_sq = torch.zeros_like(self.exp_avg)\n",
+    "        self.shard = torch.nn.Parameter(flatten_padded(self.params, dist.get_world_size())"
+    "[self.start:self.stop].clone())\n"
+    "        self.inner = torch.optim.Adam([self.shard], lr=lr, betas=betas, eps=eps)\n").replace(
+    "        grad_shard = average_grad_shard(flatten_padded([p.grad for p in self.params], world_size))\n"
+    "        param_shard = flatten_padded(self.params, world_size)[self.start:self.stop]\n"
+    "        self.steps += 1\n"
+    "        adam_update(param_shard, grad_shard, self.exp_avg, self.exp_avg_sq, self.steps, self.lr, self.betas, "
+    "self.eps)\n" + _STOP,
+    "        self.shard.grad = average_grad_shard(flatten_padded([p.grad for p in self.params], world_size))\n"
+    "        self.steps += 1\n        self.inner.step()\n        gather_params(self.shard.detach(), self.params)\n")
 
 MUTATIONS = [
     Mutation("no padding", "    missing = -flat.numel() % world_size\n", "    missing = 0\n",
@@ -121,6 +143,22 @@ MUTATIONS = [
              "        grad_shard = average_grad_shard(flatten_padded([p.grad for p in self.params], world_size))\n",
              "        grad_shard = average_grad_shard(flatten_padded([p.grad for p in self.params], world_size))"
              "[self.start:self.stop]\n", "do not slice it again", 3),
+    # REVIEW 4, A and C13 item 4: the optimizer's state measured by the memory it keeps alive
+    Mutation("full-size spare moments beside the shard's",
+             "        self.exp_avg_sq = torch.zeros_like(self.exp_avg)\n",
+             "        self.exp_avg_sq = torch.zeros_like(self.exp_avg)\n"
+             "        self.spare = torch.zeros(self.numel * 2, device=first.device, dtype=first.dtype)\n",
+             "not for all parameters", 2),
+    Mutation("moments are views of a whole-model buffer",
+             "        self.exp_avg = torch.zeros(self.stop - self.start, device=first.device, dtype=first.dtype)\n"
+             "        self.exp_avg_sq = torch.zeros_like(self.exp_avg)\n",
+             "        whole = torch.zeros(2, self.stop * dist.get_world_size(), device=first.device, dtype=first.dtype)\n"
+             "        self.exp_avg, self.exp_avg_sq = whole[0, self.start:self.stop], whole[1, self.start:self.stop]\n",
+             "a view of a larger tensor", 3),
+    Mutation("step multiplies the averaged shard by world_size",
+             "        grad_shard = average_grad_shard(flatten_padded([p.grad for p in self.params], world_size))\n",
+             "        grad_shard = average_grad_shard(flatten_padded([p.grad for p in self.params], world_size)) "
+             "* world_size\n", "it is the sum", 2),
 ]
 
 
@@ -134,4 +172,21 @@ CORRECT = [
             "    exp_avg.mul_(beta1).add_(grad * (1 - beta1))\n    exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))\n"
             "    m_hat = exp_avg / (1 - beta1 ** t)\n    v_hat = exp_avg_sq / (1 - beta2 ** t)\n"
             "    param.sub_(lr * m_hat / (v_hat.sqrt() + eps))\n", 3),
+    Variant("an inner torch.optim.Adam steps a copy of the shard", INNER_ADAM_OLD, INNER_ADAM_NEW, 2),
+    Variant("reduce-scatter of a list of chunks, summed then divided",
+            "    shard = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size())\n"
+            "    dist.reduce_scatter_tensor(shard, flat_grad, op=dist.ReduceOp.AVG)\n    return shard\n",
+            "    chunks = list(flat_grad.chunk(dist.get_world_size()))\n"
+            "    shard = torch.empty_like(chunks[0])\n    dist.reduce_scatter(shard, chunks)\n"
+            "    return shard / dist.get_world_size()\n", 3),
+    Variant("all-gather into a list, waited through async_op and wait()",
+            "    full = shard.new_empty(shard.numel() * dist.get_world_size())\n"
+            "    dist.all_gather_into_tensor(full, shard)\n",
+            "    pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]\n"
+            "    dist.all_gather(pieces, shard, async_op=True).wait()\n    full = torch.cat(pieces)\n", 2),
+    Variant("padding with F.pad",
+            "    flat = torch.cat([t.detach().reshape(-1) for t in tensors])\n"
+            "    missing = -flat.numel() % world_size\n    return torch.cat([flat, flat.new_zeros(missing)])\n",
+            "    flat = torch.cat([t.detach().reshape(-1) for t in tensors])\n"
+            "    return torch.nn.functional.pad(flat, (0, -flat.numel() % world_size))\n", 4),
 ]
