@@ -4,8 +4,11 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-VENV   := .venv
+# RINGSIDE_VENV: a .venv made elsewhere, used as it is (a workshop hub's learners share the course's)
+VENV   := $(or $(RINGSIDE_VENV),.venv)
 PY     := $(VENV)/bin/python
+# what lab, hint, solution and progress need first: make setup, except on a shared .venv
+SETUP  := $(if $(RINGSIDE_VENV),,setup)
 NPROC  ?= 4
 CH     ?= 00
 PORT   ?= 8888
@@ -48,15 +51,15 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 	$(PY) -m tools.torch_range
 	touch $@
 
-lab: setup ## run your lab:       make lab CH=01 NPROC=4
+lab: $(SETUP) ## run your lab:       make lab CH=01 NPROC=4
 	@test -n "$(call chapter_file,labs)" || { echo "no lab for chapter $(CH) in labs/"; exit 2; }
 	@echo "torchrun --standalone --nproc-per-node $(NPROC) $(call chapter_file,labs)"
 	@$(PY) -m ringside $(NPROC) $(call chapter_file,labs)
 
-hint: setup ## a hint for your first open TODO: make hint CH=04 (again: the next hint)
+hint: $(SETUP) ## a hint for your first open TODO: make hint CH=04 (again: the next hint)
 	@$(PY) -m tools.labgen --hint $(CH)
 
-solution: setup ## run the solution:  make solution CH=01 NPROC=4
+solution: $(SETUP) ## run the solution:  make solution CH=01 NPROC=4
 	@test -n "$(call chapter_file,solutions)" || { echo "no solution for chapter $(CH)"; exit 2; }
 	@echo "torchrun --standalone --nproc-per-node $(NPROC) $(call chapter_file,solutions)"
 	@$(PY) -m ringside $(NPROC) $(call chapter_file,solutions)
@@ -125,6 +128,38 @@ test-gpu: ## (GPU machine) every solution on nccl, every notebook, the capstone'
 	    tests/test_template.py -k gpu; status=$$?; \
 	echo "make test-gpu: $$($(GPU_PY) -c 'import torch; print(torch.cuda.get_device_name(0), "x", torch.cuda.device_count(), "- torch", torch.__version__)'), total $$(( $$(date +%s) - start )) s"; \
 	exit $$status
+
+progress: $(SETUP) ## your labs' latest verdicts (every `make lab` run is recorded)
+	@$(PY) -m ringside.progress
+
+# A workshop room on one machine (tools/hub.py, hub/jupyterhub_config.py; root): JupyterHub on
+# 127.0.0.1:HUB_PORT for LEARNERS (Linux users it creates), a shared PASSWORD (random if empty),
+# each learner bounded to HUB_CPUS cores and HUB_MEMORY_GB in cgroups of their own.
+LEARNERS ?= learner1 learner2 learner3 learner4
+HUB_PORT ?= 8000
+HUB_CPUS ?= 1
+HUB_MEMORY_GB ?= 3
+.PHONY: hub hub-down room hub-test progress
+hub: setup $(VENV)/.hub-ready ## (root) a workshop room: JupyterHub for LEARNERS="a b ..." on 127.0.0.1:HUB_PORT
+	$(PY) -m tools.hub up --learners "$(LEARNERS)" --port $(HUB_PORT) --cpus $(HUB_CPUS) --memory-gb $(HUB_MEMORY_GB)
+
+hub-down: ## (root) stop the hub; remove its learners, their cgroups and files
+	$(PY) -m tools.hub down
+
+room: setup ## (root) the instructor's live table: every learner's latest verdict per lab
+	$(PY) -m tools.hub room
+
+$(VENV)/.hub-ready: requirements-hub.txt $(VENV)/.ready
+	$(PIP) -r requirements-hub.txt
+	touch $@
+
+# K learners at once in Chromium: log in, run chapter 00, pass lab 00 from a terminal; files kept apart.
+HUB_LEARNERS ?= 4
+hub-test: setup $(VENV)/.ui-ready $(VENV)/.hub-ready ## (root) the room in a real browser: HUB_LEARNERS learners at once
+	@test -x /usr/bin/chromium || { echo "make hub-test needs Debian's Chromium: sudo apt-get install -y chromium"; exit 2; }
+	@start=$$(date +%s); \
+	HUB_LEARNERS=$(HUB_LEARNERS) $(PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/hub/hub_test_room.py; status=$$?; \
+	echo "make hub-test: total $$(( $$(date +%s) - start )) s"; exit $$status
 
 bench-gpu: ## (GPU machine) chapter 09's table: step time and memory in fp32, TF32, fp16, bf16
 	@PYTHONPATH=$(CURDIR) $(GPU_PY) tools/amp_bench.py

@@ -1,0 +1,289 @@
+"""A workshop room on one server: JupyterHub for a list of learners, each bounded in CPU and memory.
+
+    python -m tools.hub up [--learners "ada bob"] [--password PW] [--port 8000]   (make hub)
+    python -m tools.hub down                                                      (make hub-down)
+    python -m tools.hub room [--watch 2]                   (make room: the instructor's live table)
+
+`up` (root) makes, under HUB_DIR (default /srv/ringside-hub):
+  course/    a read-only clone of this checkout at its HEAD: what every learner starts from;
+  progress/  the drop folder of lab verdicts (learners may add their own file, not list or read others);
+  state/     the hub's database, cookie secret, password, logs and pid files (root only);
+  proxy/     configurable-http-proxy from npm, pinned (CHP_VERSION).
+It creates one Linux user per learner (comment "ringside learner", home 700), and starts JupyterHub
+on 127.0.0.1 with hub/jupyterhub_config.py: a shared workshop password, each learner's server
+spawned as that user in cgroups of their own (CPU quota, memory limit, process count), with the
+course's .venv as the kernel, OMP_NUM_THREADS=1, and a clone of course/ in ~/ringside made at the
+first login. `down` stops the hub and every learner process, removes the learners it created, their
+cgroups and HUB_DIR: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HUB_DIR = Path(os.environ.get("HUB_DIR", "/srv/ringside-hub"))
+CHP_VERSION = "5.3.0"                     # configurable-http-proxy, from npm
+MARK = "ringside learner"                 # the comment of every user `up` creates; `down` removes only those
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_NAME = "ringside-hub"              # each learner: <controller>/ringside-hub/<login>
+CONTROLLERS = ("cpu", "memory", "pids")
+DEFAULT_LEARNERS = "learner1 learner2 learner3 learner4"
+# Each learner's bound (hub/jupyterhub_config.py reads them from the state file)
+LIMITS = {"cpus": 1.0, "memory_gb": 3.0, "pids": 1024}
+
+
+class HubError(Exception):
+    pass
+
+
+def state_file() -> Path:
+    return HUB_DIR / "state" / "hub.json"
+
+
+def why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "the hub needs root (it creates the learners' users and cgroups): sudo make hub"
+    for tool in ("useradd", "userdel", "git", "npm"):
+        if shutil.which(tool) is None:
+            return f"the hub needs {tool}, which this machine lacks"
+    if not (CGROUP_ROOT / "memory").is_dir() and not (CGROUP_ROOT / "cgroup.controllers").exists():
+        return "the hub bounds each learner with cgroups, and /sys/fs/cgroup has none"
+    return None
+
+
+def _run(*cmd: str, **kwargs) -> str:
+    result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        raise HubError(f"{' '.join(cmd)}: {(result.stderr or result.stdout).strip()[-500:]}")
+    return result.stdout
+
+
+def ours(login: str) -> bool:
+    try:
+        return pwd.getpwnam(login).pw_gecos.split(",")[0] == MARK
+    except KeyError:
+        return False
+
+
+def create_learners(logins: list[str]) -> None:
+    for login in logins:
+        try:
+            pwd.getpwnam(login)
+        except KeyError:
+            _run("useradd", "--create-home", "--shell", "/bin/bash", "--comment", MARK, login)
+            os.chmod(pwd.getpwnam(login).pw_dir, 0o700)  # no learner reads another's files
+            continue
+        if not ours(login):
+            raise HubError(f"a user {login} exists already and is not a ringside learner: choose other names")
+
+
+def cgroup_dirs(login: str) -> list[Path]:
+    """The learner's cgroup in each controller (cgroup v1, as on this machine), or the v2 one."""
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return [CGROUP_ROOT / CGROUP_NAME / login]
+    return [CGROUP_ROOT / c / CGROUP_NAME / login for c in CONTROLLERS if (CGROUP_ROOT / c).is_dir()]
+
+
+def make_cgroups(login: str, limits: dict) -> list[Path]:
+    """The learner's cgroups with their limits: what one runaway lab can take from the room."""
+    memory = int(limits["memory_gb"] * 2**30)
+    quota = int(limits["cpus"] * 100_000)
+    dirs = cgroup_dirs(login)
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        values = {"memory.limit_in_bytes": memory, "memory.max": memory, "cpu.cfs_period_us": 100_000,
+                  "cpu.cfs_quota_us": quota, "cpu.max": f"{quota} 100000", "pids.max": limits["pids"]}
+        for name, value in values.items():
+            if (d / name).exists():
+                (d / name).write_text(str(value))
+    return dirs
+
+
+def remove_cgroups() -> None:
+    """Every learner's cgroup (their processes killed first), then our parent groups."""
+    parents = [CGROUP_ROOT / CGROUP_NAME] + [CGROUP_ROOT / c / CGROUP_NAME for c in CONTROLLERS]
+    for parent in parents:
+        if not parent.is_dir():
+            continue
+        for child in [p for p in parent.iterdir() if p.is_dir()]:
+            for _ in range(50):
+                pids = [p for p in (child / "cgroup.procs").read_text().split() if p]
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.1)
+            child.rmdir()
+        parent.rmdir()
+
+
+def course_clone() -> Path:
+    """A read-only clone of this checkout's HEAD: the learners' starting point (uncommitted work
+    here does not reach them: commit first)."""
+    course = HUB_DIR / "course"
+    if not course.exists():
+        _run("git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(course))
+        _run("chmod", "-R", "a+rX,a-w", str(course))
+    return course
+
+
+def install_proxy() -> Path:
+    proxy = HUB_DIR / "proxy"
+    binary = proxy / "node_modules" / ".bin" / "configurable-http-proxy"
+    if not binary.exists():
+        proxy.mkdir(parents=True, exist_ok=True)
+        _run("npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(proxy),
+             f"configurable-http-proxy@{CHP_VERSION}")
+    return binary
+
+
+def up(learners: list[str], password: str | None, port: int, limits: dict) -> dict:
+    reason = why_not()
+    if reason:
+        raise HubError(reason)
+    if state_file().exists() and hub_pid() is not None:
+        raise HubError(f"a hub is running already (pid {hub_pid()}): `make hub-down` stops it")
+    password = password or secrets.token_urlsafe(9)
+    if len(password) < 8:
+        raise HubError("the workshop password needs at least 8 characters (JupyterHub's rule)")
+    HUB_DIR.mkdir(parents=True, exist_ok=True)
+    os.chmod(HUB_DIR, 0o755)
+    state = HUB_DIR / "state"
+    state.mkdir(exist_ok=True, mode=0o700)
+    progress = HUB_DIR / "progress"
+    progress.mkdir(exist_ok=True)
+    os.chmod(progress, 0o1733)  # learners add their own file; nobody but root lists or reads others'
+    settings = {"learners": learners, "password": password, "port": port, "limits": limits,
+                "course": str(course_clone()), "progress": str(progress), "proxy": str(install_proxy()),
+                "venv": str(Path(sys.prefix)), "state": str(state), "cgroup_name": CGROUP_NAME}
+    create_learners(learners)
+    for login in learners:
+        make_cgroups(login, limits)
+    state_file().write_text(json.dumps(settings, indent=1))
+    os.chmod(state_file(), 0o600)
+    log = open(state / "hub.log", "a")
+    hub = subprocess.Popen([str(Path(sys.prefix) / "bin" / "jupyterhub"), "-f", str(ROOT / "hub" / "jupyterhub_config.py")],
+                           cwd=state, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                           env={**os.environ, "RINGSIDE_HUB_STATE": str(state_file())})
+    (state / "hub.pid").write_text(str(hub.pid))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if hub.poll() is not None:
+            raise HubError(f"JupyterHub exited ({hub.returncode}):\n{(state / 'hub.log').read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/hub/api", timeout=2)
+            return settings
+        except OSError:
+            time.sleep(0.5)
+    raise HubError(f"JupyterHub did not answer on 127.0.0.1:{port} within 120 s (log: {state / 'hub.log'})")
+
+
+def hub_pid() -> int | None:
+    try:
+        pid = int((HUB_DIR / "state" / "hub.pid").read_text())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def down() -> list[str]:
+    """Stop everything `up` started and remove everything it made; what was removed, in words."""
+    reason = why_not()
+    if reason:
+        raise HubError(reason)
+    done = []
+    pid = hub_pid()
+    if pid is not None:
+        os.killpg(pid, signal.SIGTERM)  # the hub stops the proxy and the learners' servers
+        for _ in range(100):
+            if hub_pid() is None:
+                break
+            time.sleep(0.2)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+        done.append("the hub and its proxy")
+    learners = json.loads(state_file().read_text())["learners"] if state_file().exists() else []
+    learners += [u.pw_name for u in pwd.getpwall() if ours(u.pw_name) and u.pw_name not in learners]
+    for login in learners:
+        if ours(login):
+            subprocess.run(["pkill", "-KILL", "-u", login], capture_output=True)
+    remove_cgroups()
+    for login in learners:
+        if ours(login):
+            for _ in range(20):  # userdel refuses while a process of the user is still going
+                if subprocess.run(["userdel", "--remove", login], capture_output=True).returncode == 0:
+                    break
+                subprocess.run(["pkill", "-KILL", "-u", login], capture_output=True)
+                time.sleep(0.2)
+            else:
+                raise HubError(f"could not remove the user {login}")
+            done.append(f"user {login}")
+    if HUB_DIR.exists():
+        shutil.rmtree(HUB_DIR)
+        done.append(str(HUB_DIR))
+    return done
+
+
+def leftovers() -> list[str]:
+    """What `down` should have removed and is still there (empty when clean)."""
+    left = [u.pw_name for u in pwd.getpwall() if ours(u.pw_name)]
+    left += [str(p) for p in [HUB_DIR, CGROUP_ROOT / CGROUP_NAME, *(CGROUP_ROOT / c / CGROUP_NAME for c in CONTROLLERS)]
+             if p.exists()]
+    procs = subprocess.run(["pgrep", "-f", "jupyterhub|configurable-http-proxy"], capture_output=True, text=True).stdout.split()
+    return left + [f"process {p}" for p in procs if int(p) != os.getpid()]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.hub", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="start the hub for the learners")
+    p_up.add_argument("--learners", default=DEFAULT_LEARNERS, help="their logins, separated by spaces")
+    p_up.add_argument("--password", default=os.environ.get("PASSWORD") or None, help="the workshop password (8+ characters; default: a random one, printed)")
+    p_up.add_argument("--port", type=int, default=8000)
+    p_up.add_argument("--cpus", type=float, default=LIMITS["cpus"], help="each learner's CPU quota, in cores")
+    p_up.add_argument("--memory-gb", type=float, default=LIMITS["memory_gb"], help="each learner's memory limit")
+    sub.add_parser("down", help="stop the hub, remove its learners, cgroups and files")
+    p_room = sub.add_parser("room", help="the instructor's table: every learner's latest verdict per lab")
+    p_room.add_argument("--watch", type=float, default=2)
+    opts = parser.parse_args(argv)
+    try:
+        if opts.command == "up":
+            limits = {**LIMITS, "cpus": opts.cpus, "memory_gb": opts.memory_gb}
+            s = up(opts.learners.split(), opts.password, opts.port, limits)
+            print(f"hub up: http://127.0.0.1:{s['port']}/  learners: {' '.join(s['learners'])}  "
+                  f"password: {s['password']}\n  each learner: {limits['cpus']:g} CPU, {limits['memory_gb']:g} GB; "
+                  f"`make room` shows who passed what; `make hub-down` removes it all")
+        elif opts.command == "down":
+            removed = down()
+            print("hub down: removed " + (", ".join(removed) if removed else "nothing (no hub)"))
+            left = leftovers()
+            if left:
+                print("still there: " + ", ".join(left), file=sys.stderr)
+                return 1
+        else:
+            from ringside import progress
+            return progress.main(["--room", str(HUB_DIR / "progress"), "--watch", str(opts.watch)])
+    except HubError as error:
+        print(f"hub: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
