@@ -83,5 +83,5 @@ c.Spawner.environment = {
     "OMP_NUM_THREADS": "1",                                   # ranks share the learner's CPU quota
     "JUPYTER_PATH": str(VENV / "share" / "jupyter"),          # the course's kernel first
     "RINGSIDE_PROGRESS": S["progress"],                       # verdicts for the instructor's table
-X
+    "RINGSIDE_VENV": str(VENV),                               # make lab: the course's .venv, as it is
 }
