@@ -146,7 +146,10 @@ def probe_stats(rank: int, world_size: int, device: torch.device, watch: AsyncWa
     """global_channel_stats alone on this rank's slice: every rank calls it, whatever it finds later."""
     x, _ = global_batch(world_size)
     watch.phase = "global_channel_stats"
-    return lab.global_channel_stats(my_slice(x, rank, world_size).to(device))
+    mine = my_slice(x, rank, world_size).to(device)
+    kept = mine.clone()
+    result = lab.global_channel_stats(mine)
+    return result, torch.equal(mine, kept)
 
 
 def stats_finding(result, rank: int, world_size: int) -> str | None:
@@ -523,12 +526,16 @@ def sliced(t: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
     return t[start:start + sizes[rank]]
 
 
-def through(bn: nn.Module, x: torch.Tensor, probe: torch.Tensor, device=None) -> dict:
+def through(bn: nn.Module, x: torch.Tensor, probe: torch.Tensor, device=None, watch=None) -> dict:
     """One training step of `bn` on x (loss = sum(output * probe)): output, input gradient, and the
     weight and bias gradients (summed over ranks when device is given: what DDP averages)."""
+    watch = watch or SimpleNamespace()
     x = x.clone().to(device or x.device).requires_grad_(True)
+    watch.phase = "forward"
     out = bn(x)
+    watch.phase = "backward"
     (out * probe.to(x.device)).sum().backward()
+    watch.phase = "the check"
     got = {"output": out.detach(), "grad_input": x.grad if x.grad is not None else torch.zeros_like(x)}
     if getattr(bn, "weight", None) is not None:
         grads = torch.stack([bn.weight.grad, bn.bias.grad]).detach()
@@ -543,7 +550,7 @@ def buffers(bn: nn.Module) -> dict:
     return {name: b.detach().cpu().clone() for name, b in bn.named_buffers() if name != "num_batches_tracked"}
 
 
-def run_hard(rank: int, world_size: int, device: torch.device) -> dict:
+def run_hard(rank: int, world_size: int, device: torch.device, watch: AsyncWatch) -> dict:
     """The learner's layer and global_channel_stats on a rank with nothing and a hard channel."""
     x, probe = hard_batch(world_size)
     sizes = empty_rank_sizes(world_size)
@@ -551,8 +558,9 @@ def run_hard(rank: int, world_size: int, device: torch.device) -> dict:
     with torch.no_grad():
         bn.weight.copy_(torch.tensor([0.5, -1.5]))
         bn.bias.copy_(torch.tensor([0.1, 0.2]))
-    got = through(bn, sliced(x, sizes, rank), sliced(probe, sizes, rank), device)
+    got = through(bn, sliced(x, sizes, rank), sliced(probe, sizes, rank), device, watch)
     got.update(buffers(bn))
+    watch.phase = "global_channel_stats"
     stats = lab.global_channel_stats(sliced(x, sizes, rank).to(device))
     got["mean"], got["var"] = (torch.as_tensor(t).detach().cpu().reshape(-1).expand(2) for t in stats[1:])
     return got
@@ -573,7 +581,7 @@ def hard_reference(world_size: int, rank: int) -> dict:
     return {name: t.float() for name, t in ref.items()}
 
 
-def run_options(rank: int, world_size: int, device: torch.device) -> list:
+def run_options(rank: int, world_size: int, device: torch.device, watch: AsyncWatch) -> list:
     """The learner's layer under each of nn.BatchNorm2d's options: two training steps, then one in
     evaluation mode (results, or the error raised, per option)."""
     results = []
@@ -587,7 +595,7 @@ def run_options(rank: int, world_size: int, device: torch.device) -> list:
             for step in range(2):
                 x, probe = option_batch(world_size, step)
                 for name, t in through(bn, sliced(x, sizes, rank).to(dtype), sliced(probe, sizes, rank).to(dtype),
-                                       device).items():
+                                       device, watch).items():
                     got[f"{name}, step {step + 1}"] = t
             got.update({f"{name} after 2 steps": b for name, b in buffers(bn).items()})
             bn.eval()
@@ -699,12 +707,11 @@ def main(me: Rank, checks: Checks) -> None:
     with AsyncWatch() as watch:  # every rank makes the same collective calls, before any verdict
         got = mine(me.rank, me.world_size, me.device, watch)
         stats = probe_stats(me.rank, me.world_size, me.device, watch)
-        watch.phase = "forward"
         try:
-            hard = run_hard(me.rank, me.world_size, me.device)
+            hard = run_hard(me.rank, me.world_size, me.device, watch)
         except Exception as error:  # judged below, after the lab's own case
             hard = error
-        options = run_options(me.rank, me.world_size, me.device)
+        options = run_options(me.rank, me.world_size, me.device, watch)
     nan_here = torch.tensor([float(isinstance(hard, dict) and bool(not_finite(hard)))])
     dist.all_reduce(nan_here, op=dist.ReduceOp.MIN)  # 1 when every rank holds NaN
     ref = reference(me.world_size)
@@ -713,6 +720,10 @@ def main(me: Rank, checks: Checks) -> None:
         checks.fail(f"an all_reduce with async_op=True in {' and '.join(watch.unwaited())} is never waited on: "
                     "its result may not have arrived when you read it (ranks would see different values) - call "
                     ".wait() on the handle it returns before using the tensor, or leave async_op out")
+        return
+    stats, input_kept = stats
+    if not checks.expect(input_kept, "global_channel_stats changed its input x in place (an in-place subtraction or "
+                                     "square?): the layer normalizes that same x afterwards - compute on new tensors"):
         return
     finding = stats_finding(stats, me.rank, me.world_size)
     if not checks.expect(finding is None, "global_channel_stats on this rank's slice differs from the global "

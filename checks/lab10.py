@@ -128,7 +128,9 @@ def local_sums_finding(table: torch.Tensor, correct: torch.Tensor, losses: torch
     if "no offset" in fits and n > lab.BATCH * world_size and smaller_sizes_passed:
         fits = ["no offset"]  # the one-batch sizes passed: the rank and the padding are right within a batch
     if fits:
-        return "; or ".join(whole[name] for name in fits)
+        alike = (" (the two give the same sums when there is one padding copy, as always on 2 ranks: more ranks "
+                 "tell them apart)" if {"padded", "off by one"} <= set(fits) else "")
+        return "; or ".join(whole[name] for name in fits) + alike
     # One or two of the three sums are wrong: say which, and what each one looks like.
     names = ("correct", "the count", "loss_sum")
     ok = close(table, right)

@@ -103,6 +103,8 @@ CORRECT = [
             "    torch.set_rng_state(states[0])\n"
             "    if device.type == 'cuda':\n        torch.cuda.set_rng_state_all(states[1])\n"
             "    return model\n", 2),
+    Variant("workers kept from epoch to epoch (persistent_workers=True)", "sampler=sampler, num_workers=workers,",
+            "sampler=sampler, num_workers=workers, persistent_workers=True,", 2),
     Variant("seeded generator by generator", "    torch.manual_seed(rank_seed)\n",
             "    torch.random.default_generator.manual_seed(rank_seed)\n    torch.cuda.manual_seed_all(rank_seed)\n", 2),
 ]
