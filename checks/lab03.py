@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, run_lab
-from ringside.calls import Recorder
+from ringside.calls import COLLECTIVES as RECORDED
+from ringside.calls import Recorder, lab_namespaces
 from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -24,9 +25,7 @@ lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 SHAPES = [(5,), (3, 7), (2, 3, 5)]  # odd sizes: nothing divides evenly
 DTYPES = [torch.float32, torch.int64, torch.float64]
 SENTINEL = -1  # fills every output before the call: a slot still holding it was never written
-COLLECTIVES = ("broadcast", "scatter", "gather", "all_gather", "all_gather_into_tensor", "reduce",
-               "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-               "all_to_all_single", "broadcast_object_list", "all_gather_object", "gather_object")
+COLLECTIVES = tuple(name for name in RECORDED if name != "barrier")  # the lab uses send and recv only
 
 
 def rank_tensor(rank: int, shape: tuple, dtype: torch.dtype, case: int, device: torch.device) -> torch.Tensor:
@@ -51,19 +50,29 @@ def fail_once(checks: Checks, diagnosis: str) -> None:
         checks.fail(diagnosis)
 
 
-def p2p_mistakes(calls: Recorder, name: str, ring: bool = False) -> list[str]:
-    """What the recorded calls show, whatever the values came out as: rules that gloo forgives
-    and NCCL does not, and the ring's order of sending and waiting."""
+def p2p_mistakes(calls: Recorder, name: str, ring: bool = False, returned: bool = True) -> list[str]:
+    """What the recorded calls did that the lab's contract rules out, whatever the values came out
+    as: each is an effect of the calls (whom they talked to, when they completed), and each is
+    required by the function's docstring ("name the peer of every recv"; all_gather: "a ring: each
+    rank talks to its two neighbours only", each step "posted together ... in one
+    dist.batch_isend_irecv call"); a request left in flight when the function returned is a result
+    not yet there (a receive) or a buffer the caller may change while it is still being sent."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     found = []
     if any(op["kind"] in ("recv", "irecv") and op["peer"] is None for op in calls.ops):
         found.append(f"{name} called recv without src: a receive from any rank takes whichever message comes "
                      f"first (at 3 or more ranks not always the one you meant), and NCCL has no such receive - "
                      f"name the sender: dist.recv(t, src=peer)")
-    tags = sorted({op["tag"] for op in calls.ops if op["tag"]})
-    if tags:
-        found.append(f"{name} passed tag={tags[0]}: NCCL ignores tags, so a lab that relies on them breaks "
-                     f"there - tell messages apart by peer and by the order in which they are posted")
+    unwaited = [op for op in calls.ops if not op["completed"]] if returned else []
+    if unwaited:
+        kinds = sorted({op["kind"] for op in unwaited})
+        found.append(f"{name} returned with {len(unwaited)} request(s) never waited for ({' and '.join(kinds)}"
+                     + (f" from rank(s) {sorted({op['peer'] for op in unwaited if 'recv' in op['kind']})}"
+                        if any("recv" in op["kind"] for op in unwaited) else "")
+                     + "): " + ("a receive has not necessarily arrived when the function returns"
+                                if any("recv" in op["kind"] for op in unwaited) else
+                                "the caller may change the tensor while it is still being sent")
+                     + " - wait on every request before returning")
     if not ring:
         return found
     loose = [op for op in calls.ops if not op["batch"]]
@@ -77,15 +86,21 @@ def p2p_mistakes(calls: Recorder, name: str, ring: bool = False) -> list[str]:
         found.append(f"{name} sent a slot while a receive into it was still in flight (its values had not "
                      f"arrived yet): wait for each step's requests before the next step sends what arrived, "
                      f"and never send the slot you are receiving")
-    if any(not op["waited"] for op in calls.ops):
-        found.append(f"{name} returned with a request never waited for: wait on every request of every step")
-    if world_size > 2:
-        right, left = (rank + 1) % world_size, (rank - 1) % world_size
-        if any(op["peer"] != right for op in calls.ops if "send" in op["kind"]) or \
-                any(op["peer"] != left for op in calls.ops if "recv" in op["kind"]):
-            found.append(f"{name} talked to other ranks than its neighbours in the ring direction: send to the "
-                         f"right ((rank + 1) % N) and receive from the left ((rank - 1) % N)")
+    if world_size > 2:  # either direction is a ring; at 2 ranks every peer is a neighbour
+        neighbours = {(rank + 1) % world_size, (rank - 1) % world_size}
+        strangers = sorted({op["peer"] for op in calls.ops if op["peer"] not in neighbours}, key=str)
+        if strangers:
+            found.append(f"{name} talked to rank(s) {strangers}, which are not this rank's neighbours "
+                         f"{sorted(neighbours)}: in a ring each rank talks to its two neighbours only")
     return found
+
+
+def drain(calls: Recorder) -> None:
+    """Wait here for what the learner's function left in flight, so that the check's own messages
+    that follow do not meet it (its mistake is named from the record, which this does not change)."""
+    for op in calls.ops:
+        if not op["completed"] and op.get("work") is not None:
+            op["work"].wait()
 
 
 class Stop(Exception):
@@ -114,12 +129,12 @@ def run_watched(checks: Checks, name: str, fn, *args, ring: bool = False, root: 
     """Run one of the learner's functions with its calls recorded and fail each mistake they show
     (returned too); a call that timed out or failed in torch.distributed becomes Stop, with what the
     calls showed (gloo's own message, such as "Pair is not connected", rarely names the cause)."""
-    with Recorder(refuse=COLLECTIVES) as calls:
+    with Recorder(refuse=COLLECTIVES, namespaces=lab_namespaces(fn)) as calls:
         try:
             fn(*args)
         except RuntimeError as error:
             text = str(error).lower()
-            found = peer_mistakes(calls, name, root) + p2p_mistakes(calls, name, ring)
+            found = peer_mistakes(calls, name, root) + p2p_mistakes(calls, name, ring, returned=False)
             if "timed out" in text or "closed" in text:
                 raise Stop(f"{name} never finished (a send or recv timed out: likely a deadlock) - " + (
                     "; ".join(found) if found else "every send needs a matching recv on the other rank, posted "
@@ -128,6 +143,11 @@ def run_watched(checks: Checks, name: str, fn, *args, ring: bool = False, root: 
                 raise
             first_line = str(error).strip().splitlines()[0][:120]
             raise Stop(f"{name} failed in torch.distributed ({first_line}) - " + "; ".join(found)) from None
+        try:
+            drain(calls)
+        except RuntimeError:
+            raise Stop(f"{name} left requests in flight that never finished - "
+                       + "; ".join(p2p_mistakes(calls, name, ring))) from None
     mistakes = p2p_mistakes(calls, name, ring)
     for mistake in mistakes:
         fail_once(checks, mistake)
@@ -202,12 +222,43 @@ def check_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
                     f"{who_holds(slots[slot], inputs)}, expected rank {slot}'s tensor: {hint}")
 
 
+def holder(t: torch.Tensor, inputs: list[torch.Tensor]) -> int | None:
+    """Whose input `t` is: a rank, None for the sentinel (never written), -1 for anything else."""
+    found = next((r for r, x in enumerate(inputs) if torch.equal(t, x)), None)
+    return found if found is not None else (None if (t == SENTINEL).all() else -1)
+
+
+def ring_outcome(n: int, to, send_slot, recv_slot) -> list[list[int | None]]:
+    """Whose tensor each slot of each rank holds after a ring all_gather that sends to to(r) at
+    every step, sends slot send_slot(r, s) and receives into slot recv_slot(r, s)."""
+    state = [[r if slot == r else None for slot in range(n)] for r in range(n)]
+    for s in range(n - 1):
+        arriving = {to(r): state[r][send_slot(r, s)] for r in range(n)}
+        for r in range(n):
+            state[r][recv_slot(r, s)] = arriving[r]
+    return state
+
+
+RING_MISTAKES = {  # a known mistake, its outcome on n ranks, and what to say when it matches exactly
+    "other way": (lambda n: ring_outcome(n, lambda r: (r - 1) % n, lambda r, s: (r - s) % n,
+                                         lambda r, s: (r - s - 1) % n),
+                  "the messages go one way round the ring (to rank - 1) and the slot numbers the other way: at "
+                  "each step send on the slot that arrived at the step before, and receive into the slot that "
+                  "your sender is sending"),
+    "own slot": (lambda n: ring_outcome(n, lambda r: (r + 1) % n, lambda r, s: r, lambda r, s: (r - s - 1) % n),
+                 "this rank sent its own slot at every step: at each step send on the slot that arrived at the "
+                 "step before (at step 0 your own)"),
+}
+
+
 def check_all_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> None:
-    """Exact equality with dist.all_gather; and the ring's calls follow the rules."""
+    """Exact equality with dist.all_gather; and the ring's calls follow the contract."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mine, theirs = blank_slots(inputs[rank], world_size), blank_slots(inputs[rank], world_size)
     mistakes = run_watched(checks, "all_gather", lab.all_gather, mine, inputs[rank].clone(), ring=True)
     dist.all_gather(theirs, inputs[rank].clone())
+    holders = [None] * world_size  # every rank's outcome: a known mistake is named only if all match it
+    dist.all_gather_object(holders, [holder(t, inputs) for t in mine])
     wrong = [i for i in range(world_size) if not torch.equal(mine[i], theirs[i])]
     if not wrong:
         checks.expect(True, "")
@@ -215,20 +266,26 @@ def check_all_gather(checks: Checks, inputs: list[torch.Tensor], what: str) -> N
     if mistakes:  # the values are wrong because of what was named above
         return
     slot = wrong[0]
-    if all((t == SENTINEL).all() for t in mine):  # nothing real ever entered the ring
+    known = [why for outcome, why in RING_MISTAKES.values() if outcome(world_size) == holders]
+    if known:
+        hint = known[0]
+    elif all((t == SENTINEL).all() for t in mine):  # nothing real ever entered the ring
         hint = (f"every slot is empty: fill your own slot first (copy your tensor into "
                 f"tensor_list[{rank}]), then the ring passes it on")
     elif wrong == [rank]:
         hint = f"your own slot: copy your tensor into tensor_list[{rank}] first"
     else:
         hint = ("off by one? at each step a rank sends on the slot it received at the step before, and "
-                "what it receives from the left belongs in the left neighbour's previous slot")
+                "what it receives belongs in the slot its sender sent")
     checks.fail(f"all_gather of {what}: tensor_list[{slot}] holds "
                 f"{who_holds(mine[slot], inputs)}, expected rank {slot}'s tensor: {hint}")
 
 
 def main(me: Rank, checks: Checks) -> None:
     world_size = dist.get_world_size()
+    if world_size == 1:
+        print0("note: on 1 rank no message is sent, so only the copy of a rank's own tensor is checked, not the "
+               "sends and receives: run on 2 or more ranks (3 or more for the ring's neighbours)")
     case = 0
     for shape in SHAPES:
         for dtype in DTYPES:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ringside import Checks, Rank, print0, run_lab
-from ringside.calls import DryRun
+from ringside.calls import DryRun, Recorder, lab_namespaces
 from ringside.compare import equal_on_all_ranks, max_diff
 from ringside.data import regression
 from ringside.lab import explain, ranks_count
@@ -27,37 +27,63 @@ lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 
 
+def chunking_problem(numel: int, world_size: int, device: torch.device) -> str | None:
+    """What is wrong with ring_chunks on `numel` elements for `world_size` chunks (None if nothing)."""
+    flat = torch.arange(numel, dtype=torch.float32, device=device)
+    base, extra = divmod(numel, world_size)
+    want = [base + (1 if i < extra else 0) for i in range(world_size)]
+    try:
+        chunks = list(lab.ring_chunks(flat, world_size))
+    except NotImplementedError:
+        raise
+    except Exception as error:  # the learner's mistake becomes a diagnosis, not a crash of the check
+        return f"ring_chunks on {numel} elements for {ranks_count(world_size)} raised {type(error).__name__}: {error}"
+    sizes = [c.numel() for c in chunks]
+    where = f"ring_chunks on {numel} elements for {ranks_count(world_size)} gave sizes {sizes}"
+    if len(chunks) != world_size:
+        return (f"{where}: {len(chunks)} chunks, not {world_size} - every rank needs a chunk even when they do not "
+                f"divide evenly (flat.chunk(n) may return fewer than n; slice by sizes, or use tensor_split)")
+    if sizes != want:
+        return f"{where}, expected {want}: the first numel % world_size chunks get one extra element"
+    if not torch.equal(torch.cat(chunks), flat):
+        return f"{where}: together they are not `flat` in order"
+    if not all(c.numel() == 0 or c.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for c in chunks):
+        return (f"{where}: the chunks are copies, not views of `flat` - the ring writes into the chunks, and "
+                f"`tensor` must see it (slice; no .clone() or torch.cat)")
+    return None
+
+
 def check_chunks(checks: Checks, device: torch.device) -> bool:
-    """ring_chunks on its own: exactly N views, in order, sized base or base + 1, first ones larger."""
+    """ring_chunks on its own, a pure function: exactly N views, in order, sized base or base + 1,
+    first ones larger, over a space of sizes (0 to 64 elements) and chunk counts (1 to 9) that
+    hypothesis searches, seeded (the same on every rank); the smallest failing input is reported."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    failures = []
+
+    @settings(max_examples=80, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(numel=st.integers(0, 64), world_size=st.integers(1, 9))
+    def every_size(numel, world_size):
+        problem = chunking_problem(numel, world_size, device)
+        if problem:
+            failures.append((numel + world_size, numel, problem))
+            raise AssertionError(problem)
+
+    # the lab's own world size first, on sizes that do and do not divide, then the whole space
     world_size = dist.get_world_size()
     for numel in (world_size * 5, world_size - 1, world_size * 5 + 1, world_size * 5 + world_size - 1, 1):
-        flat = torch.arange(numel, dtype=torch.float32, device=device)
-        base, extra = divmod(numel, world_size)
-        want = [base + (1 if i < extra else 0) for i in range(world_size)]
-        try:
-            chunks = list(lab.ring_chunks(flat, world_size))
-        except NotImplementedError:
-            raise
-        except Exception as error:  # the learner's mistake becomes a diagnosis, not a crash of the check
-            checks.fail(f"ring_chunks on {numel} elements raised {type(error).__name__}: {error}")
-            return False
-        sizes = [c.numel() for c in chunks]
-        where = f"ring_chunks on {numel} elements for {ranks_count(world_size)} gave sizes {sizes}"
-        if len(chunks) != world_size:
-            return checks.expect(False, f"{where}: {len(chunks)} chunks, not {world_size} - every rank needs a chunk "
-                                        f"even when they do not divide evenly (flat.chunk(n) may return fewer "
-                                        f"than n; slice by sizes, or use tensor_split)")
-        if sizes != want:
-            return checks.expect(False, f"{where}, expected {want}: the first numel % world_size chunks get "
-                                        f"one extra element")
-        if not torch.equal(torch.cat(chunks), flat):
-            return checks.expect(False, f"{where}: together they are not `flat` in order")
-        shares = all(c.numel() == 0 or c.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-                     for c in chunks)
-        if not checks.expect(shares, f"{where}: the chunks are copies, not views of `flat` - the ring writes "
-                                     f"into the chunks, and `tensor` must see it (slice; no .clone() or torch.cat)"):
-            return False
-    return True
+        problem = chunking_problem(numel, world_size, device)
+        if problem:
+            failures.append((numel + world_size, numel, problem))
+    try:
+        every_size()
+    except AssertionError:
+        pass
+    if failures:
+        return checks.expect(False, min(failures)[2])
+    return checks.expect(True, "")
 
 
 VIRTUAL = 3  # the dry run plays a 3-rank ring: at 2 ranks left and right are the same rank
@@ -448,11 +474,36 @@ def check_ring(checks: Checks, device: torch.device) -> bool:
     return True
 
 
+def check_one_ring_per_step(checks: Checks, recorded: Recorder, device: torch.device) -> bool:
+    """average_gradients' contract: "one ring_all_reduce on one flat buffer of all gradients". Measured
+    as an effect: the messages sent per training step, against what your own ring sends to sum one
+    buffer that holds every gradient (the same count whatever its size). Blind at 1 rank: no messages."""
+    world_size = dist.get_world_size()
+    if world_size == 1:
+        return checks.expect(True, "")
+    sent = sum(1 for op in recorded.ops if "send" in op["kind"]) / lab.STEPS
+    model = lab.make_model()
+    flat = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad), device=device)
+    with Recorder() as one:
+        lab.ring_all_reduce(flat)
+    per_ring = sum(1 for op in one.ops if "send" in op["kind"])
+    if per_ring and sent > per_ring:
+        return checks.expect(False, f"average_gradients sent {sent:g} messages per step on this rank, where one "
+                                    f"ring_all_reduce of one flat buffer holding every gradient sends {per_ring}: "
+                                    f"{sent / per_ring:g} rings per step - the contract asks for one ring on one "
+                                    f"flat buffer of all gradients (fewer, larger messages: each message pays the "
+                                    f"latency α once)")
+    return checks.expect(True, "")
+
+
 def check_training(checks: Checks, device: torch.device) -> None:
     """The home-made DDP against DDP, step by step: same gradients, same weights."""
     world_size = dist.get_world_size()
     data = regression(n=lab.STEPS * world_size * lab.BATCH_PER_RANK)
-    ours = lab.train(lab.make_model().to(device), data, device, by_hand=True)
+    with Recorder(namespaces=lab_namespaces(lab.train)) as recorded:
+        ours = lab.train(lab.make_model().to(device), data, device, by_hand=True)
+    if not check_one_ring_per_step(checks, recorded, device):
+        return
     device_ids = [device.index] if device.type == "cuda" else None
     theirs = lab.train(DDP(lab.make_model().to(device), device_ids=device_ids), data, device, by_hand=False)
     for step, ((local, my_grads, my_weights), (_, ddp_grads, ddp_weights)) in enumerate(zip(ours, theirs)):
@@ -491,6 +542,9 @@ def check_training(checks: Checks, device: torch.device) -> None:
 
 
 def main(me: Rank, checks: Checks) -> None:
+    if me.world_size == 1:
+        print0("note: on 1 rank the ring sends no message, so whether average_gradients uses one ring per step "
+               "is not measured: run on 2 or more ranks too")
     if me.world_size == 2:
         print0("note: on 2 ranks some ring mistakes (a chunk index off by one) still give the right sum: "
                "run on 3 or 4 ranks too")

@@ -6,6 +6,8 @@ lab's X (this module never imports the lab).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 from typing import Iterator
@@ -16,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.calls import Recorder, lab_namespaces
 from ringside.compare import all_gather_tensor, flat_params, max_diff
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -24,59 +27,29 @@ lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 # --- The check ------------------------------------------------------------------------------------
 
 
-class RecordedWork:
-    """The Work of an async all-reduce, noting in the event list when it is waited on."""
-
-    def __init__(self, work, events: list):
-        self.work, self.events = work, events
-
-    def wait(self, *args, **kwargs):
-        self.events.append(("wait",))
-        return self.work.wait(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
-def _lab_namespaces() -> list[dict]:
-    """The global namespaces of the lab's code: where `from torch.distributed import all_reduce`
-    put its own name for the function."""
-    spaces = []
-    for value in vars(lab).values():
-        functions = [value] + ([f for f in vars(value).values() if callable(f)] if isinstance(value, type) else [])
-        for function in functions:
-            space = getattr(function, "__globals__", None)  # a decorator's wrapper has its own module's: skipped
-            if (space is not None and space.get("__name__") == getattr(function, "__module__", None)
-                    and all(space is not known for known in spaces)):
-                spaces.append(space)
-    return spaces
+# Completions that block the calling thread (a wait inside a hook stalls backward); the others
+# (a .then callback, is_completed() or done() found True) note a finished all-reduce without waiting.
+BLOCKING = ("wait", "synchronize", "future.wait", "future.value", "wait_all")
 
 
 @contextmanager
-def recording_all_reduce(events: list) -> Iterator[None]:
+def recording_all_reduce(events: list, buffers: list | None = None) -> Iterator[None]:
     """For the block, every all-reduce - through torch.distributed, the module it comes from, or a
-    name the lab imported directly - notes ("launch", elements, async?, a copy of the buffer) in
-    `events`; an async one returns a Work that notes its wait."""
-    from torch.distributed import distributed_c10d as c10d
-    real = c10d.all_reduce
+    name the lab imported directly (ringside.calls.Recorder) - notes ("launch", elements, async?,
+    a copy of the buffer at launch) in `events`, and ("wait", how) once the lab's code has seen it
+    finish, whichever way it waited (Work.wait, get_future().wait(), .then, .value(), ...)."""
+    def launched(call):
+        if call.family == "all_reduce":
+            events.append(("launch", call.numel, call.async_op, call.snapshot[0]))
+            if buffers is not None:
+                buffers.append(weakref.ref(call.tensors[0]))
 
-    def all_reduce(tensor, *args, **kwargs):
-        async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
-        events.append(("launch", tensor.numel(), async_op, tensor.detach().clone()))
-        work = real(tensor, *args, **kwargs)
-        return RecordedWork(work, events) if async_op and work is not None else work
+    def completed(call):
+        if call.family == "all_reduce" and call.completed_by != "blocking":
+            events.append(("wait", call.completed_by))
 
-    places = [(vars(dist), "all_reduce"), (vars(c10d), "all_reduce")]
-    places += [(space, name) for space in _lab_namespaces() for name, value in list(space.items())
-               if value is real or value is dist.all_reduce]
-    saved = [(space, name, space[name]) for space, name in places]
-    for space, name, _ in saved:
-        space[name] = all_reduce
-    try:
+    with Recorder(namespaces=lab_namespaces(lab), on_call=launched, on_complete=completed, snapshot=True):
         yield
-    finally:
-        for space, name, original in saved:
-            space[name] = original
 
 
 def record_gradient_ready(model: nn.Module, events: list) -> None:
@@ -140,8 +113,9 @@ def check_buckets(checks: Checks, params: list, buckets) -> bool:
 
 def check_async(checks: Checks, events: list, rank: int) -> None:
     if any(e[0] == "launch" and not e[2] for e in events):
-        checks.fail(f"rank {rank}: an all-reduce was called without async_op=True - it blocks inside the "
-                    f"hook, so backward waits for the network: launch it asynchronously and wait later")
+        checks.fail(f"rank {rank}: an all-reduce had already finished when the call that launched it returned "
+                    f"(called without async_op=True): it blocks inside the hook, so backward waits for the "
+                    f"network - launch it asynchronously and wait later")
 
 
 def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], rank: int) -> bool:
@@ -177,6 +151,7 @@ def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], 
         launches = [i for i, e in enumerate(last) if e[0] == "launch"]
         readies = [i for i, e in enumerate(last) if e[0] == "ready"]
         waits = [i for i, e in enumerate(last) if e[0] == "wait"]
+        blocking = [i for i, e in enumerate(last) if e[0] == "wait" and e[1] in BLOCKING]
         steps = [i for i, e in enumerate(last) if e[0] == "step"]
         if len(launches) != n_buckets:
             hint = (" - the last backward of a window must run outside no_sync(), with sync on again"
@@ -186,7 +161,7 @@ def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], 
             checks.fail(f"rank {rank}, window {w}: {len(launches)} all-reduces on the last micro-batch, expected one "
                         f"per bucket ({n_buckets}){hint}")
             return False
-        if waits and readies and waits[0] < readies[-1]:
+        if blocking and readies and blocking[0] < readies[-1]:
             checks.fail(f"rank {rank}, window {w}: waited for an all-reduce while gradients were still arriving "
                         f"- waiting inside the hook stalls backward; keep the Work and wait in "
                         f"finish_gradient_sync()")
@@ -219,15 +194,16 @@ def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], 
                             f"holds is ready: count each gradient in the bucket that holds it")
                 return False
         if len(waits) != n_buckets:
-            checks.fail(f"rank {rank}, window {w}: waited {len(waits)} times for {n_buckets} all-reduces - "
-                        + ("never waited: call work.wait() on every pending all-reduce before the step"
+            checks.fail(f"rank {rank}, window {w}: {len(waits)} of the window's {n_buckets} all-reduces were seen "
+                        f"to finish (by a wait, a future's wait or value, or a callback) - "
+                        + ("never waited: wait for every pending all-reduce before the step"
                            if not waits else "forget the all-reduces already waited on after each window (empty the pending list)"))
             return False
         if not steps:
             checks.fail(f"rank {rank}, window {w}: optimizer.step() was never called at the end of the window")
             return False
         if steps[0] < waits[-1]:
-            checks.fail(f"rank {rank}, window {w}: the optimizer stepped before every all-reduce was waited on - "
+            checks.fail(f"rank {rank}, window {w}: the optimizer stepped before every all-reduce had finished - "
                         f"call finish_gradient_sync() before optimizer.step()")
             return False
     return checks.expect(len(windows) == lab.WINDOWS, f"rank {rank}: {len(windows)} windows trained, expected {lab.WINDOWS}")
@@ -323,10 +299,78 @@ class Probe(nn.Module):
 PROBE_CAP = 10  # elements: four buckets, the first (spare's) never complete during backward
 
 
+class OutOfOrder(nn.Module):
+    """Every parameter used, layers registered in another order than used: backward makes bucket 1
+    (`x`) complete first, then bucket 0 (`y`), whose launch gives bucket 1 its turn while `z`'s
+    gradients are still to come. Buckets of 24, 10 and 20 elements at a cap of 10."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.z = nn.Linear(3, 5)   # used first: its gradients come last (bucket 2)
+        self.x = nn.Linear(4, 2)   # used last: its gradients come first (bucket 1)
+        self.y = nn.Linear(5, 4)   # used second (bucket 0)
+
+    def forward(self, inputs):
+        return self.x(torch.tanh(self.y(torch.tanh(self.z(inputs)))))
+
+
+def late_launches(events: list, buckets: list[list[int]]) -> str:
+    """The contract's "as soon as all of its gradients have arrived - but never before every
+    lower-numbered bucket", as an effect: each bucket's all-reduce must start before the next
+    gradient arrives (or backward ends) after the moment its turn came. "" if so."""
+    ready = {e[1]: i for i, e in enumerate(events) if e[0] == "ready"}
+    launches = [i for i, e in enumerate(events) if e[0] == "launch"]
+    end = next(i for i, e in enumerate(events) if e[0] == "backward end")
+    turn = -1
+    for k, bucket in enumerate(buckets):
+        if any(i not in ready for i in bucket) or k >= len(launches):
+            return ""  # a bucket that never completed: finish_gradient_sync launches it (checked elsewhere)
+        turn = max(turn, *(ready[i] for i in bucket))
+        deadline = next((i for i, e in enumerate(events) if i > turn and e[0] == "ready"), end)
+        if launches[k] > deadline:
+            came = events[deadline]
+            return (f"bucket {k}'s turn came when the gradient of parameter {events[turn][1]} arrived, but it was "
+                    f"all-reduced only after " + (f"the gradient of parameter {came[1]} arrived" if came[0] == "ready"
+                                                  else "backward ended")
+                    + f" - a bucket that completed out of order must go out as soon as the buckets before it have: "
+                      f"when one bucket is launched, launch every following bucket that is already complete")
+    return ""
+
+
 def probe_step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).square().mean().backward()
     if isinstance(model, lab.HandDDP):
         model.finish_gradient_sync()
+
+
+def check_out_of_order(checks: Checks, me: Rank, x: torch.Tensor) -> bool:
+    """HandDDP on OutOfOrder against DDP: when each bucket goes out during backward, and the
+    averaged gradients."""
+    x = x[:, :3]
+    reference = DDP(OutOfOrder(seed=2000 + me.rank).to(me.device),
+                    device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    probe_step(reference, x)
+    model = OutOfOrder(seed=2000 + me.rank).to(me.device)
+    events: list = []
+    record_gradient_ready(model, events)
+    with recording_all_reduce(events):
+        hand = lab.HandDDP(model, bucket_cap=PROBE_CAP)
+        events.clear()  # the broadcasts of the start are no all-reduces; only backward's events count
+        hand(x).square().mean().backward()
+        events.append(("backward end",))
+        hand.finish_gradient_sync()
+    buckets = lab.make_buckets(list(model.parameters()), PROBE_CAP)
+    late = late_launches(events, buckets)
+    if late:
+        checks.fail(f"rank {me.rank}: on a model whose layers are registered in another order than used, {late}")
+        return False
+    for (name, mine), theirs in zip(model.named_parameters(), reference.module.parameters()):
+        if mine.grad is None or not torch.allclose(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6):
+            checks.fail(f"rank {me.rank}: on a model whose layers are registered in another order than used, "
+                        f"{name}.grad differs from DDP's - is every bucket all-reduced once and copied back?")
+            return False
+    return checks.expect(True, "")
 
 
 def check_probe(checks: Checks, me: Rank) -> bool:
@@ -446,21 +490,30 @@ def main(me: Rank, checks: Checks) -> None:
 
     def grab():
         grads.extend(None if p.grad is None else p.grad.detach().clone() for p in model.parameters())
+    buffers: list = []  # weak references to every launched buffer
     try:
-        with recording_all_reduce(events):
+        with recording_all_reduce(events, buffers):
             lab.train(hand, windows, me.device, events=events, after_first=grab)
     except Exception:
         check_async(checks, events, me.rank)  # a blocking all_reduce returns no Work to wait on
         raise
     check_async(checks, events, me.rank)
+    gc.collect()
+    kept = len({id(b()) for b in buffers if b() is not None})
     # The gradients are compared only when the order of events is right: a step taken before the
     # wait, say, would also show up as wrong gradients, and the first finding is the one to fix.
     if (check_events(checks, events, buckets, sizes, me.rank)
             and check_contents(checks, events, buckets, own_grads, me.world_size, me.rank)
             and check_gradients(checks, names, grads, ref_grads, own_grads, me.world_size, me.rank)):
         check_weights(checks, model, ref_weights, me.rank)
-    if checks.passed:  # right on the lab's model: now on one unlike it
-        check_probe(checks, me)
+        checks.expect(kept <= len(buckets), f"rank {me.rank}: after {lab.WINDOWS} windows, {kept} buffers of "
+                                            f"launched all-reduces are still held, where one per bucket "
+                                            f"({len(buckets)}) is all a window needs - memory grows with every "
+                                            f"window: forget the all-reduces already waited on after each window "
+                                            f"(empty the pending list)")
+    if checks.passed:  # right on the lab's model: now on ones unlike it
+        if check_probe(checks, me):
+            check_out_of_order(checks, me, torch.randn(6, 5, generator=torch.Generator().manual_seed(me.rank)).to(me.device))
     launches = sum(e[0] == "launch" for e in events)
     print0(f"{lab.WINDOWS} steps of {lab.ACCUM} micro-batches: {launches} all-reduces on rank 0 "
            f"({len(buckets)} per step; without no_sync, {lab.ACCUM * len(buckets)} per step)")

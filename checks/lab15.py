@@ -6,7 +6,6 @@ lab's X (this module never imports the lab).
 
 from __future__ import annotations
 
-import inspect
 import re
 from datetime import timedelta
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.calls import Recorder, lab_namespaces
 from ringside.lab import known_cause, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -157,9 +157,6 @@ def check_groups(checks: Checks) -> bool:
 
 # --- The all-reduce, for real, with every collective noted -----------------------------------------
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather",
-               "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce", "all_to_all",
-               "all_to_all_single", "gather", "scatter", "barrier", "send", "recv", "isend", "irecv")
 SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
 GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 
@@ -168,53 +165,47 @@ class Noted(Exception):
     """A collective that the check refused to run (it would hang or mislead): the diagnosis."""
 
 
-class CollectiveLog:
-    """While active, every collective the learner calls is noted (name, which group, elements, op);
-    one on a group other than the two given is refused with a diagnosis (it could hang)."""
+def collective_log(host_group, peer_group) -> Recorder:
+    """The recorder of the learner's collectives (ringside.calls): each call also notes its
+    "level", the group it ran on - "host" or "peers" (that group, or one of the same ranks), else
+    refused at once with a diagnosis, since it could hang: the contract says "collectives only on
+    these two groups, never on the default group"."""
+    levels = [(host_group, "host", tuple(dist.get_process_group_ranks(host_group))),
+              (peer_group, "peers", tuple(dist.get_process_group_ranks(peer_group)))]
 
-    def __init__(self, host_group, peer_group):
-        self.groups = {id(host_group): "host", id(peer_group): "peers"}
-        self.calls: list[dict] = []
-        self.depth = 0
+    def on_call(call):
+        level = next((name for group, name, _ in levels if call.group is group), None) or \
+            next((name for _, name, ranks in levels if call.group is not None and call.group_ranks == ranks), None)
+        call["level"] = level or ("default" if call.default_group else "other")
+        if call["level"] == "default":
+            raise Noted(f"dist.{call.op} ran on the default group (all ranks): the two levels must use "
+                        f"host_group (inside a host) and peer_group (across hosts) only - pass group=...")
+        if call["level"] == "other":
+            raise Noted(f"dist.{call.op} ran on a group other than host_group and peer_group: use the two "
+                        f"groups you are given")
 
-    def _wrap(self, name, original):
-        signature = inspect.signature(original)
+    return Recorder(namespaces=lab_namespaces(lab), on_call=on_call)
 
-        def call(*args, **kwargs):
-            if self.depth:  # a collective calling another one inside torch: note the outer one only
-                return original(*args, **kwargs)
-            bound = signature.bind(*args, **kwargs)
-            group = bound.arguments.get("group")
-            kind = self.groups.get(id(group), "default" if group is None or group is c10d.GroupMember.WORLD else "other")
-            if kind == "default":
-                raise Noted(f"dist.{name} ran on the default group (all ranks): the two levels must use "
-                            f"host_group (inside a host) and peer_group (across hosts) only - pass group=...")
-            if kind == "other":
-                raise Noted(f"dist.{name} ran on a group other than host_group and peer_group: use the two "
-                            f"groups you are given")
-            first = next(iter(bound.arguments.values()))
-            tensors = first if isinstance(first, (list, tuple)) else [first]
-            op = bound.arguments.get("op")
-            self.calls.append({"name": name, "group": kind, "numel": sum(t.numel() for t in tensors),
-                               "op": op, "async": bool(bound.arguments.get("async_op"))})
-            self.depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.depth -= 1
-        return call
 
-    def __enter__(self):
-        self.saved = [(module, name, getattr(module, name)) for module in (dist, c10d) for name in COLLECTIVES
-                      if hasattr(module, name)]
-        stand_ins = {name: self._wrap(name, original) for module, name, original in self.saved if module is dist}
-        for module, name, _ in self.saved:
-            setattr(module, name, stand_ins[name])
-        return self
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
-    def __exit__(self, *exc):
-        for module, name, original in self.saved:
-            setattr(module, name, original)
+
+def unfinished(log) -> str:
+    """Completion, an effect however it was waited for: a collective not finished when the function
+    returned, or one that read a tensor an earlier collective was still writing. "" if neither."""
+    calls = [c for c in log.calls if "level" in c]
+    for c in calls:
+        for earlier in (log.calls[i] for i in c.pending):
+            written = [ref() for ref in earlier.outputs if ref() is not None]
+            if any(overlaps(w, t) for w in written for t in c.tensors):
+                return (f"dist.{c.op} started on a tensor that dist.{earlier.op} (async_op=True) was still writing: "
+                        f"wait on the first one before the next level uses its result")
+    late = [c.op for c in calls if not c.completed]
+    if late:
+        return (f"dist.{late[0]} ran with async_op=True and had not been waited on when hierarchical_all_reduce "
+                f"returned: wait on it before its result is used")
+    return ""
 
 
 def example(rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -248,24 +239,23 @@ def diagnose_values(result, returned, mine, rank, hosts_n, per_host, shape, dtyp
             torch.equal(returned.double().cpu(), full) and not torch.equal(got, full):
         return (f"{where}: the returned tensor holds the sum but `tensor` itself does not - the caller keeps "
                 f"`tensor`: copy the sum into it (in place), without the padding")
-    names = [c["name"] for c in log.calls]
-    if any(c["async"] for c in log.calls):
-        return (f"{where} is wrong and a collective ran with async_op=True: wait on it before the next level "
-                f"uses its result (or call it without async_op)")
+    names = [c.op for c in log.calls]
+    if unfinished(log):
+        return f"{where} is wrong and {unfinished(log)}"
     if swapped(log):
         return (f"{where} is wrong and your collectives ran as {names} with the groups swapped: the reduce-scatter "
                 f"and the all-gather belong inside the host (host_group), the all-reduce across hosts (peer_group)")
-    if any(c["name"] in SCATTERS + GATHERS and c["group"] == "peers" for c in log.calls) and \
-            any(c["name"] == "all_reduce" and c["group"] == "host" for c in log.calls):
+    if any(c.op in SCATTERS + GATHERS and c["level"] == "peers" for c in log.calls) and \
+            any(c.op == "all_reduce" and c["level"] == "host" for c in log.calls):
         return (f"{where} is wrong and your collectives ran as {names} with the groups swapped: the reduce-scatter "
                 f"and the all-gather belong inside the host (host_group), the all-reduce across hosts (peer_group)")
     host_sum = sum(example(r, shape, dtype).double() for r in range(host * per_host, (host + 1) * per_host))
-    across = any(c["name"] == "all_reduce" and c["group"] == "peers" for c in log.calls)
+    across = any(c.op == "all_reduce" and c["level"] == "peers" for c in log.calls)
     if hosts_n > 1 and torch.equal(got, host_sum):
         return (f"{where} is the sum over its own host only: the all-reduce across hosts (over peer_group) is "
                 + ("missing" if not across else "there, but its result did not reach `tensor`"))
     if torch.equal(got, mine.double()):
-        if not any(c["name"] in GATHERS for c in log.calls):
+        if not any(c.op in GATHERS for c in log.calls):
             return (f"{where} is unchanged: the all-gather inside the host is missing - without it the summed "
                     f"shards never come back together")
         return (f"{where} is unchanged although your collectives ran ({names}): the sum never reached `tensor` - "
@@ -295,36 +285,54 @@ def diagnose_values(result, returned, mine, rank, hosts_n, per_host, shape, dtyp
 
 def swapped(log) -> bool:
     """The reduce-scatter or all-gather ran across hosts, the all-reduce inside the host."""
-    return any(c["name"] in SCATTERS + GATHERS and c["group"] == "peers" for c in log.calls) and \
-        any(c["name"] == "all_reduce" and c["group"] == "host" for c in log.calls)
+    return any(c.op in SCATTERS + GATHERS and c["level"] == "peers" for c in log.calls) and \
+        any(c.op == "all_reduce" and c["level"] == "host" for c in log.calls)
+
+
+RING_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n}
+
+
+def sent(log, level: str, ranks: int) -> float:
+    """Elements each rank sends on one level, every collective run as a ring over `ranks` ranks:
+    an all-reduce sends 2(n-1)/n of its tensor, a reduce-scatter or all-gather (n-1)/n of the whole."""
+    return sum(RING_SHARE.get(c.family, lambda n: float(n > 1))(ranks) * max(c.numel, c.out_numel)
+               for c in log.calls if c.get("level") == level)
 
 
 def diagnose_traffic(log, hosts_n, per_host, numel, where) -> str:
-    """Right sum; now the bytes: only a shard may cross hosts, and the host sends no more than a
-    reduce-scatter and an all-gather."""
-    if swapped(log) or (per_host > 1 and any(c["name"] in SCATTERS + GATHERS and c["group"] == "peers"
-                                             for c in log.calls)):
-        return (f"{where}: the sum is right, but the groups are swapped ({[(c['name'], c['group']) for c in log.calls]}): "
-                f"the reduce-scatter and the all-gather belong inside the host (host_group), the all-reduce across "
-                f"hosts (peer_group) - with as many hosts as ranks per host the sum comes out right anyway")
-    across = sum(c["numel"] for c in log.calls if c["group"] == "peers")
+    """Right sum; now the communication, an effect counted by the recorder: the elements each rank
+    sends across hosts and inside its host, against the reference (a reduce-scatter and an
+    all-gather of the smallest padded buffer inside the host, an all-reduce of one shard across),
+    and whether every collective had finished. The cause is named only after that."""
     share = -(-numel // per_host)
-    if hosts_n > 1 and per_host > 1 and across > share + per_host:
-        return (f"{where}: the sum is right, but each rank sent {across} elements across hosts where its shard "
-                f"is {share} ({per_host}x the slow link's traffic): reduce-scatter inside the host first and "
-                f"all-reduce only your shard over peer_group")
-    if hosts_n > 1 and per_host > 1 and across > share:
+    across, inside = sent(log, "peers", hosts_n), sent(log, "host", per_host)
+    want_across, want_inside = 2 * (hosts_n - 1) / hosts_n * share, 2 * (per_host - 1) / per_host * share * per_host
+    if across > want_across + 1e-9:
+        if swapped(log) or any(c.op in SCATTERS + GATHERS and c["level"] == "peers" for c in log.calls):
+            return (f"{where}: the sum is right, but the groups are swapped ({[(c.op, c['level']) for c in log.calls]}): "
+                    f"the reduce-scatter and the all-gather belong inside the host (host_group), the all-reduce "
+                    f"across hosts (peer_group) - with as many hosts as ranks per host the sum comes out right anyway")
+        elements = sum(c.numel for c in log.calls if c["level"] == "peers")
+        if elements > share + per_host:
+            return (f"{where}: the sum is right, but each rank sent {elements} elements across hosts where its shard "
+                    f"is {share} ({per_host}x the slow link's traffic): reduce-scatter inside the host first and "
+                    f"all-reduce only your shard over peer_group")
         divides = numel % per_host == 0
-        return (f"{where}: the sum is right, but each rank sent {across} elements across hosts where its shard is "
+        return (f"{where}: the sum is right, but each rank sent {elements} elements across hosts where its shard is "
                 f"{share}: the padding is longer than it must be ({numel} elements "
                 f"{'already divide' if divides else 'need ' + str(share * per_host - numel) + ' zero(s) to divide'} "
                 f"by {per_host} ranks per host) - pad to the smallest multiple of the ranks per host, and not at "
                 f"all when the size divides")
-    if per_host > 1 and any(c["name"] == "all_reduce" and c["group"] == "host" for c in log.calls):
-        return (f"{where}: the sum is right, but an all-reduce ran inside the host, which sends twice what a "
-                f"reduce-scatter sends: reduce-scatter (each rank keeps one summed shard), then all-gather at the end")
-    if any(c["async"] for c in log.calls):
-        return f"{where}: a collective ran with async_op=True - wait on it before the next level uses its result"
+    if inside > want_inside + 1e-9:
+        if any(c.op == "all_reduce" and c["level"] == "host" for c in log.calls):
+            return (f"{where}: the sum is right, but an all-reduce ran inside the host, which sends twice what a "
+                    f"reduce-scatter sends: reduce-scatter (each rank keeps one summed shard), then all-gather at "
+                    f"the end")
+        return (f"{where}: the sum is right, but each rank sent {inside:.0f} elements inside its host where a "
+                f"reduce-scatter and an all-gather of the padded buffer send {want_inside:.0f}")
+    if unfinished(log):
+        return f"{where}: the sum is right here, but {unfinished(log)}"
     return ""
 
 
@@ -345,7 +353,7 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
                 where = f"hierarchical_all_reduce on {hosts_n} hosts x {per_host} ranks, {tuple(shape)} " \
                         f"{str(dtype).replace('torch.', '')}"
                 returned = None
-                with CollectiveLog(host_group, peer_group) as log:
+                with collective_log(host_group, peer_group) as log:
                     try:
                         returned = lab.hierarchical_all_reduce(tensor, host_group, peer_group)
                     except NotImplementedError:
@@ -353,12 +361,12 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
                     except Noted as noted:
                         why = f"{where}: {noted}"
                     except Exception as error:
-                        if swapped(log) or any(c["name"] in SCATTERS and c["group"] == "peers" for c in log.calls):
+                        if swapped(log) or any(c.op in SCATTERS and c["level"] == "peers" for c in log.calls):
                             why = (f"{where} raised {type(error).__name__} after a reduce-scatter over peer_group: "
                                    f"the groups are swapped - the reduce-scatter and the all-gather belong inside "
                                    f"the host (host_group), the all-reduce across hosts (peer_group)")
                             log.calls.clear()
-                        if any(c["op"] == dist.ReduceOp.AVG for c in log.calls):
+                        if any(c.reduce_op == dist.ReduceOp.AVG for c in log.calls):
                             why = (f"{where} raised {type(error).__name__} with ReduceOp.AVG: an average is the sum "
                                    f"divided by the number of hosts (and gloo cannot average integers) - a sum must "
                                    f"not average (ReduceOp.SUM)")
@@ -371,6 +379,9 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
                         why = why or f"{where} raised {type(error).__name__}: {first[:160]}" + (
                             f" - {numel} elements do not divide by {per_host} ranks per host: pad to a multiple "
                             f"(zeros), and drop the padding at the end" if uneven else f" - {cause}" if cause else "")
+                for call in log.calls:  # what the function left in flight: finished here, the record unchanged
+                    if not call.completed and call.get("work") is not None:
+                        call.work.wait()
                 if not why:
                     returned_itself = returned is tensor
                     tensor = tensor.cpu()  # compared on the CPU, with the sum computed here

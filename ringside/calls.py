@@ -52,7 +52,7 @@ Each `Call` is a dict whose keys read as attributes too (`call.op` or `call["op"
     pending       the indices of the calls not completed when this one was posted
     work          the real Work of an async call (the check may wait on it itself, once the learner's
                   code has returned, to drain what it left in flight; that does not mark it completed)
-    refused       True if the call was refused (see `refuse`)
+    refused       True if the call was refused (see `refuse`) or stopped by `on_call`
     snapshot      a copy of what it hands in, taken before it ran (Recorder(snapshot=True) only)
 
 Options
@@ -239,7 +239,12 @@ class Recorder:
                 noted.complete("refused")
                 return refused(kind)()
             if self.on_call is not None:
-                self.on_call(noted)
+                try:
+                    self.on_call(noted)
+                except BaseException:  # stopped before it ran: nothing is in flight
+                    noted["refused"] = True
+                    noted.complete("refused")
+                    raise
             self._local.depth = self._depth() + 1
             try:
                 result = original(*args, **kwargs)
@@ -466,7 +471,8 @@ class DryRun(Recorder):
 
 
 class Delivered:
-    """The request of a dry-run isend/irecv: done at once; wait() delivers into a receive's buffer."""
+    """The request of a dry-run isend/irecv: done at once; wait() (or is_completed(), which finds it
+    done) delivers into a receive's buffer."""
 
     def __init__(self, into=None, value=None):
         self.into, self.value = into, value
@@ -477,4 +483,4 @@ class Delivered:
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self.wait()

@@ -40,8 +40,6 @@ MUTATIONS = [
              "                dist.recv(gather_list[peer])\n", "called recv without src", 2),
     Mutation("gather receives into its own index", "                dist.recv(gather_list[peer], src=peer)\n",
              "                dist.recv(gather_list[rank], src=peer)\n", "(the list is in rank order)", 3),
-    Mutation("gather tags by sender", "                dist.recv(gather_list[peer], src=peer)\n",
-             "                dist.recv(gather_list[peer], src=peer, tag=peer)\n", "NCCL ignores tags", 2),
     Mutation("all_gather forgets its own slot", "    tensor_list[rank].copy_(tensor)\n", "",
              "your own slot", 2),
     Mutation("all_gather receives into the wrong slot (off by one)",
@@ -62,9 +60,26 @@ MUTATIONS = [
              "dist.irecv(tensor_list[recv_slot], src=left)]\n"
              "        for request in requests:\n            request.wait()\n",
              "outside dist.batch_isend_irecv", 2),
-    Mutation("all_gather ring runs the wrong way", "    left, right = (rank - 1) % world_size, (rank + 1) % world_size\n",
+    # Either direction is a ring (REVIEW 4, A): this one sends to the left but numbers its slots as a
+    # ring going right, so the values are wrong, and the known mistake is named from its outcome.
+    Mutation("all_gather messages go left while the slots go right",
+             "    left, right = (rank - 1) % world_size, (rank + 1) % world_size\n",
              "    right, left = (rank - 1) % world_size, (rank + 1) % world_size\n",
-             "send to the right ((rank + 1) % N)", 3),
+             "the slot numbers the other way", 3),
+    # REVIEW 4, 03 item 7: unwaited requests in gather and broadcast were called deadlocks
+    Mutation("gather posts its irecvs and returns",
+             "        for peer in range(world_size):\n            if peer != dst:\n"
+             "                dist.recv(gather_list[peer], src=peer)\n",
+             "        requests = [dist.irecv(gather_list[peer], src=peer) for peer in range(world_size) if peer != dst]\n",
+             "never waited for (irecv", 4),
+    Mutation("broadcast's root isends and returns", "                dist.send(tensor, dst=peer)\n",
+             "                dist.isend(tensor, dst=peer)\n", "never waited for (isend", 4),
+    Mutation("all_gather forwards its own slot at every step",
+             "        ops = [dist.P2POp(dist.isend, tensor_list[send_slot], right),\n",
+             "        ops = [dist.P2POp(dist.isend, tensor_list[rank], right),\n",
+             "sent its own slot at every step", 4),
+    Mutation("gather rebinds its own slot to a copy", "        gather_list[dst].copy_(tensor)\n",
+             "        gather_list[dst] = tensor.clone()\n", "was replaced by another tensor", 4),
     # Blocking calls in a ring: every rank sends first, and on gloo a send waits for its recv.
     Mutation("all_gather with blocking send then recv on every rank", STEP,
              "        dist.send(tensor_list[send_slot], dst=right)\n"
@@ -85,4 +100,32 @@ CORRECT = [
             "        elif mask <= rel < 2 * mask:\n"
             "            dist.recv(tensor, src=(rel - mask + src) % world_size)\n"
             "        mask *= 2\n", 3),
+    # REVIEW 4, A: the ring turned the other way (send left, receive right) was rejected at 4 ranks
+    Variant("all_gather ring turned the other way", LOOP + STEP,
+            LOOP.replace("(rank - step) % world_size, (rank - step - 1) % world_size",
+                         "(rank + step) % world_size, (rank + step + 1) % world_size")
+            + STEP.replace("send_slot], right", "send_slot], left").replace("recv_slot], left", "recv_slot], right"), 4),
+    Variant("gather posts every irecv, then waits on all",
+            "        for peer in range(world_size):\n            if peer != dst:\n"
+            "                dist.recv(gather_list[peer], src=peer)\n",
+            "        requests = [dist.irecv(gather_list[peer], src=peer) for peer in range(world_size) if peer != dst]\n"
+            "        for request in requests:\n            request.wait()\n", 4),
+    # Tags are harmless here: each pair carries one message, so NCCL (which ignores them) matches alike
+    Variant("gather tags each message by its sender", "                dist.recv(gather_list[peer], src=peer)\n",
+            "                dist.recv(gather_list[peer], src=peer, tag=peer)\n", 3),
+    Variant("broadcast's root isends to all, then waits on each",
+            "        for peer in range(world_size):\n            if peer != src:\n"
+            "                dist.send(tensor, dst=peer)\n",
+            "        requests = [dist.isend(tensor, dst=peer) for peer in range(world_size) if peer != src]\n"
+            "        for request in requests:\n            request.wait()\n", 3),
+    Variant("all_gather posts the receive first, then waits on each", STEP,
+            "        requests = dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor_list[recv_slot], left),\n"
+            "                                           dist.P2POp(dist.isend, tensor_list[send_slot], right)])\n"
+            "        for request in reversed(requests):\n            request.wait()\n", 3),
+    Variant("gather in reverse rank order, with a name imported from torch.distributed",
+            "        for peer in range(world_size):\n            if peer != dst:\n"
+            "                dist.recv(gather_list[peer], src=peer)\n",
+            "        from torch.distributed import recv\n"
+            "        for peer in reversed(range(world_size)):\n            if peer != dst:\n"
+            "                recv(gather_list[peer], src=peer)\n", 3),
 ]

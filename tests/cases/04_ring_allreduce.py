@@ -100,6 +100,27 @@ MUTATIONS = [
              "    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once\n"
              "    for step in range(world_size):",
              "run each phase for exactly N - 1 steps", 3),
+    # REVIEW 4, 04 item 5: passed; the contract says one ring on one flat buffer (measured: messages per step)
+    Mutation("one ring_all_reduce per parameter",
+             "    flat = torch.cat([g.reshape(-1) for g in grads])\n    ring_all_reduce(flat)\n    flat /= world_size\n"
+             "    offset = 0\n    for g in grads:\n        g.copy_(flat[offset:offset + g.numel()].view_as(g))\n"
+             "        offset += g.numel()\n",
+             "    for g in grads:  # one ring per parameter\n        ring_all_reduce(g)\n        g /= world_size\n",
+             "4 rings per step", 2),
+    # REVIEW 4, 04 item 8: the landing buffer the size of the last (smallest) chunk
+    Mutation("landing buffer the size of the last chunk",
+             "    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once\n",
+             "    landing = torch.empty_like(chunks[-1])\n",
+             "receive into a buffer of the incoming chunk's size", 4),
+    Mutation("the ring averages floating tensors", "    return tensor\n\n\n# --- Your part 2",
+             "    tensor.div_(world_size) if tensor.is_floating_point() else None\n"
+             "    return tensor\n\n\n# --- Your part 2",
+             "ring_all_reduce sums; averaging is the caller's job", 4),
+    Mutation("only the receive waited, the send posted first", EXCHANGE + WAIT,
+             "    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, right),\n"
+             "                                       dist.P2POp(dist.irecv, incoming, left)])\n"
+             "    requests[1].wait()\n",
+             "returned without waiting on its isend", 2),
 ]
 
 # Right code written otherwise: the check must pass it (found by trying it as a learner might).
@@ -110,4 +131,36 @@ CORRECT = [
             "    starts = [sum(sizes[:i]) for i in range(world_size)]\n"
             "    return [flat[start:start + size] for start, size in zip(starts, sizes)]\n",
             "    return list(torch.tensor_split(flat, world_size))\n", 3),
+    # REVIEW 4, 04 item 8: rank r owns chunk r at the end, a landing buffer per step
+    Variant("another schedule: rank r ends owning chunk r, a fresh landing buffer per step",
+            "    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once\n"
+            "    for step in range(world_size - 1):\n"
+            "        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size\n"
+            "        arrived = landing[:chunks[receive].numel()]\n"
+            "        send_right_receive_left(chunks[send], arrived)\n"
+            "        chunks[receive] += arrived\n",
+            "    for step in range(world_size - 1):\n"
+            "        send, receive = (rank - step - 1) % world_size, (rank - step - 2) % world_size\n"
+            "        arrived = torch.empty_like(chunks[receive])\n"
+            "        send_right_receive_left(chunks[send], arrived)\n"
+            "        chunks[receive].add_(arrived)\n"
+            "    for step in range(world_size - 1):  # its all-gather starts from the chunk it owns, chunk r\n"
+            "        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size\n"
+            "        send_right_receive_left(chunks[send], chunks[receive])\n"
+            "    return tensor  # (the solution's own all-gather below is not reached)\n", 4),
+    # REVIEW 4, 04 item 8: torch's own flatten helpers, the division before the ring
+    Variant("_flatten_dense_tensors, divided before the ring",
+            "    flat = torch.cat([g.reshape(-1) for g in grads])\n    ring_all_reduce(flat)\n    flat /= world_size\n"
+            "    offset = 0\n    for g in grads:\n        g.copy_(flat[offset:offset + g.numel()].view_as(g))\n"
+            "        offset += g.numel()\n",
+            "    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors\n"
+            "    flat = _flatten_dense_tensors(grads).div_(world_size)\n    ring_all_reduce(flat)\n"
+            "    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):\n        g.copy_(synced)\n", 3),
+    Variant("parameters_to_vector for the flat copy",
+            "    flat = torch.cat([g.reshape(-1) for g in grads])\n",
+            "    flat = torch.nn.utils.parameters_to_vector(grads)\n", 3),
+    Variant("the send posted first, the requests waited in reverse", EXCHANGE + WAIT,
+            "    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, right),\n"
+            "                                       dist.P2POp(dist.irecv, incoming, left)])\n"
+            "    for request in reversed(requests):\n        request.wait()\n", 3),
 ]

@@ -4,11 +4,87 @@ check must name."""
 from mutation import Mutation, Variant
 
 
+# launch_bucket's buffer through finish_gradient_sync's division (DDP's order changes both ends)
+LAUNCH_TO_WAIT = ('        grads = [p.grad if p.grad is not None else torch.zeros_like(p)\n'
+                  '                 for p in (self.params[i] for i in self.buckets[bucket])]\n'
+                  '        flat = torch.cat([g.reshape(-1) for g in grads])\n'
+                  '        work = dist.all_reduce(flat, async_op=True)\n'
+                  '        self.pending.append((work, flat, bucket))\n'
+                  '        # END SOLUTION\n'
+                  '\n'
+                  '    def finish_gradient_sync(self) -> None:\n'
+                  '        """Call after the last backward of a window (one that reduced), before optimizer.step().\n'
+                  '        The contract: when it returns, every bucket has been all-reduced exactly once in this\n'
+                  "        backward, in index order; every reduced parameter's .grad holds the average over all ranks\n"
+                  '        of its gradient (a parameter that had no .grad gets one); and the object is ready for the\n'
+                  '        next window\'s backward."""\n'
+                  "        # HINT 1: a parameter that got no gradient never completes its bucket, nor lets the buckets after it go out: those are still waiting here. An async all-reduce's buffer holds the sum only once its Work's wait() has returned.\n"
+                  "        # HINT 2: launch the buckets still waiting, in order; then for each launched all-reduce: wait, divide the buffer by the world size, copy each parameter's slice back into its .grad; last, reset what the hook counted.\n"
+                  '        # HINT 3: offset = 0; for i in self.buckets[bucket]: p = self.params[i]; average = flat[offset:offset + p.numel()].view_as(p); p.grad.copy_(average) (or p.grad = average.clone() when None); offset += p.numel()\n'
+                  '        # BEGIN SOLUTION: make every reduced .grad the average over all ranks, each bucket all-reduced exactly once and in index order, then leave the object ready for the next window\n'
+                  '        while self.launched < len(self.buckets):\n'
+                  '            self.launch_bucket(self.launched)\n'
+                  '            self.launched += 1\n'
+                  '        world_size = dist.get_world_size()\n'
+                  '        for work, flat, bucket in self.pending:\n'
+                  '            work.wait()\n'
+                  '            flat /= world_size\n')
+
 CORRECT = [
     # REVIEW F: rejected as "0 all-reduces ... with sync on again" (the recorder saw dist.all_reduce only)
     Variant("all_reduce imported by name",
             "        work = dist.all_reduce(flat, async_op=True)\n",
             "        from torch.distributed import all_reduce\n        work = all_reduce(flat, async_op=True)\n", 2),
+    # REVIEW 4, A: waiting through get_future().wait(), chapter 12's own idiom, was "never waited"
+    Variant("waiting through the all-reduce's future",
+            "        work = dist.all_reduce(flat, async_op=True)\n",
+            "        work = dist.all_reduce(flat, async_op=True).get_future()\n", 2),
+    # REVIEW 4, 12 item 8: DDP's own order - persistent bucket buffers, divided before the all-reduce
+    Variant("persistent bucket buffers, divided before the all-reduce", LAUNCH_TO_WAIT,
+            ('        if not hasattr(self, "buffers"):  # one persistent buffer per bucket, as DDP keeps\n'
+             '            self.buffers = [torch.empty(sum(self.params[i].numel() for i in b), device=self.params[b[0]].device)\n'
+             '                            for b in self.buckets]\n'
+             '        flat, offset = self.buffers[bucket], 0\n'
+             '        for i in self.buckets[bucket]:\n'
+             '            p = self.params[i]\n'
+             '            piece = flat[offset:offset + p.numel()]\n'
+             '            piece.copy_(p.grad.reshape(-1)) if p.grad is not None else piece.zero_()\n'
+             '            offset += p.numel()\n'
+             '        flat.div_(dist.get_world_size())  # DDP divides before the all-reduce\n'
+             '        work = dist.all_reduce(flat, async_op=True)\n'
+             '        self.pending.append((work, flat, bucket))\n'
+             '        # END SOLUTION\n'
+             '\n'
+             '    def finish_gradient_sync(self) -> None:\n'
+             '        """Call after the last backward of a window (one that reduced), before optimizer.step().\n'
+             '        The contract: when it returns, every bucket has been all-reduced exactly once in this\n'
+             "        backward, in index order; every reduced parameter's .grad holds the average over all ranks\n"
+             '        of its gradient (a parameter that had no .grad gets one); and the object is ready for the\n'
+             '        next window\'s backward."""\n'
+             "        # HINT 1: a parameter that got no gradient never completes its bucket, nor lets the buckets after it go out: those are still waiting here. An async all-reduce's buffer holds the sum only once its Work's wait() has returned.\n"
+             "        # HINT 2: launch the buckets still waiting, in order; then for each launched all-reduce: wait, divide the buffer by the world size, copy each parameter's slice back into its .grad; last, reset what the hook counted.\n"
+             '        # HINT 3: offset = 0; for i in self.buckets[bucket]: p = self.params[i]; average = flat[offset:offset + p.numel()].view_as(p); p.grad.copy_(average) (or p.grad = average.clone() when None); offset += p.numel()\n'
+             '        # BEGIN SOLUTION: make every reduced .grad the average over all ranks, each bucket all-reduced exactly once and in index order, then leave the object ready for the next window\n'
+             '        while self.launched < len(self.buckets):\n'
+             '            self.launch_bucket(self.launched)\n'
+             '            self.launched += 1\n'
+             '        world_size = dist.get_world_size()\n'
+             '        for work, flat, bucket in self.pending:\n'
+             '            work.wait()\n'), 2),
+    Variant("a future chained with .then, its value read in finish_gradient_sync",
+            "        work = dist.all_reduce(flat, async_op=True)\n",
+            "        work = dist.all_reduce(flat, async_op=True).get_future().then(lambda done: done.value()[0])\n", 2),
+    Variant("every pending all-reduce waited at once with torch.futures.wait_all",
+            "        for work, flat, bucket in self.pending:\n            work.wait()\n",
+            "        torch.futures.wait_all([work.get_future() for work, _, _ in self.pending])\n"
+            "        for work, flat, bucket in self.pending:\n", 2),
+    Variant("the buckets in line launched by a for loop with break",
+            "        while (self.launched < len(self.buckets)\n"
+            "               and self.ready[self.launched] == len(self.buckets[self.launched])):\n"
+            "            self.launch_bucket(self.launched)\n            self.launched += 1\n        # END SOLUTION\n",
+            "        for b in range(self.launched, len(self.buckets)):\n"
+            "            if self.ready[b] < len(self.buckets[b]):\n                break\n"
+            "            self.launch_bucket(b)\n            self.launched = b + 1\n        # END SOLUTION\n", 2),
 ]
 
 MUTATIONS = [
@@ -140,6 +216,17 @@ MUTATIONS = [
              "        self.sync = False\n        try:\n            yield\n        finally:\n            self.sync = True\n",
              "        self.sync = False\n        yield\n        self.sync = True\n",
              "turn sync back on however its block ends"),
+    # REVIEW 4, 12 item 6: at most one bucket launched per arriving gradient passed (no bucket completed
+    # out of order with its turn coming during backward); the check's OutOfOrder model has one
+    Mutation("if instead of while: at most one bucket launched per gradient",
+             "        while (self.launched < len(self.buckets)\n",
+             "        if (self.launched < len(self.buckets)\n",
+             "launch every following bucket that is already complete"),
+    # REVIEW 4, 12 item 8: the hook's counters never reset, only the pending list
+    Mutation("only the pending list reset after a window",
+             "        self.ready = [0] * len(self.buckets)\n        self.launched = 0\n        self.pending = []\n",
+             "        self.pending = []\n",
+             "is all of its state reset after each window?"),
     Mutation("the last bucket dropped when it is not full", "    if current:\n        buckets.append(current)\n", "",
              "keep the one still being filled"),
 ]

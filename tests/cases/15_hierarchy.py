@@ -69,7 +69,10 @@ MUTATIONS = [
     Mutation("all-reduce across hosts on the default group", ACROSS, "    dist.all_reduce(mine)\n",
              "ran on the default group", 2),
     Mutation("async all-reduce never waited", ACROSS, "    dist.all_reduce(mine, group=peer_group, async_op=True)\n",
-             "async_op=True", 2),
+             "was still writing", 2),
+    Mutation("async all-reduce waited only after the all-gather", ACROSS + GATHER,
+             "    work = dist.all_reduce(mine, group=peer_group, async_op=True)\n" + GATHER + "    work.wait()\n",
+             "was still writing", 4),
     Mutation("shard buffer in float32 whatever the tensor's dtype",
              "    mine = torch.empty(shard, dtype=flat.dtype, device=flat.device)\n",
              "    mine = torch.empty(shard, device=flat.device)\n", "make its buffers with dtype=the input's dtype", 2),
@@ -85,6 +88,25 @@ CORRECT = [
     Variant("the list collectives", SCATTER + ACROSS + GATHER,
             "    dist.reduce_scatter(mine, list(padded.chunk(local)), group=host_group)\n" + ACROSS
             + "    dist.all_gather(list(padded.chunk(local)), mine, group=host_group)\n", 4),
+    # REVIEW 4, A: async_op=True then wait() was failed as "a collective ran with async_op=True"
+    Variant("the step across hosts async, then waited", ACROSS,
+            "    work = dist.all_reduce(mine, group=peer_group, async_op=True)\n    work.wait()\n", 2),
+    # (gloo's reduce-scatter work has no future: Work::getFuture not implemented)
+    Variant("every level async, the step across hosts waited through its future", SCATTER + ACROSS + GATHER,
+            "    dist.reduce_scatter_tensor(mine, padded, group=host_group, async_op=True).wait()\n"
+            "    dist.all_reduce(mine, group=peer_group, async_op=True).get_future().wait()\n"
+            "    dist.all_gather_into_tensor(padded, mine, group=host_group, async_op=True).wait()\n", 4),
+    Variant("padding by torch.nn.functional.pad",
+            "    padded = torch.zeros(shard * local, dtype=flat.dtype, device=flat.device)\n"
+            "    padded[:flat.numel()] = flat\n",
+            "    padded = torch.nn.functional.pad(flat, (0, shard * local - flat.numel()))\n", 4),
+    Variant("groups made host by host and peers by peers, in loops", GROUPS + RETURN_GROUPS,
+            "    mine = [None, None]\n"
+            "    for ranks in hosts:\n        group = dist.new_group(ranks)\n"
+            "        if rank in ranks:\n            mine[0] = group\n"
+            "    for ranks in peers:\n        group = dist.new_group(ranks)\n"
+            "        if rank in ranks:\n            mine[1] = group\n"
+            "    return mine[0], mine[1]\n", 4),
 ]
 if hasattr(dist, "reduce_scatter_single"):  # torch 2.14's names for the same two collectives
     CORRECT.append(Variant("torch 2.14's *_single names", SCATTER + ACROSS + GATHER,
