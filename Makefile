@@ -130,7 +130,7 @@ test-gpu: ## (GPU machine) every solution on nccl, every notebook, the capstone'
 	exit $$status
 
 progress: $(SETUP) ## your labs' latest verdicts (every `make lab` run is recorded)
-	@$(PY) -m ringside.progress
+	@$(PY) -c 'import sys, ringside.progress as p; sys.exit(p.main())'
 
 # A workshop room on one machine (tools/hub.py, hub/jupyterhub_config.py; root): JupyterHub on
 # 127.0.0.1:HUB_PORT for LEARNERS (Linux users it creates), a shared PASSWORD (random if empty),

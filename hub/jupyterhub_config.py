@@ -76,6 +76,8 @@ c.Spawner.pre_spawn_hook = clone_the_course
 c.Spawner.cmd = [str(VENV / "bin" / "jupyterhub-singleuser")]
 c.Spawner.notebook_dir = "~"
 c.Spawner.default_url = "/lab/tree/ringside/README.md"
+# window.jupyterapp in the page, as `make jupyter` gives: the room's browser test reads the notebook's state there
+c.Spawner.args = ["--LabApp.expose_app_in_browser=True"]
 c.Spawner.start_timeout = 180  # a room logging in at once on 2 cores
 c.Spawner.http_timeout = 180
 c.Spawner.environment = {

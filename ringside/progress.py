@@ -5,7 +5,7 @@ record: the lab, the world size, PASS or FAIL, the first diagnosis and the time.
 tests' runs are not recorded.
 
     make progress                    # your own table: every lab, its latest verdict
-    python -m ringside.progress --room DIR --watch 2      # the instructor's: learners x labs, live
+    make room                        # a workshop hub's instructor: learners x labs, redrawn live
 
 Where the record lives: `$RINGSIDE_PROGRESS/<login>.jsonl` when the variable names a folder (a
 workshop hub sets it to a drop folder that learners can write to but not list, so each learner's

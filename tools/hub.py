@@ -152,10 +152,26 @@ def install_proxy() -> Path:
     return binary
 
 
+def closed_to_learners(path: Path) -> list[str]:
+    """The folders on the way to `path` that other users may not pass through (no o+x)."""
+    closed = []
+    for folder in reversed(Path(os.path.realpath(path)).parents):
+        if not os.stat(folder).st_mode & 0o001:
+            closed.append(str(folder))
+    return closed
+
+
 def up(learners: list[str], password: str | None, port: int, limits: dict) -> dict:
     reason = why_not()
     if reason:
         raise HubError(reason)
+    # the learners run the course's .venv, whose python is a link to the Python that made it
+    closed = sorted(set(closed_to_learners(Path(sys.executable)) + closed_to_learners(Path(sys.prefix) / "bin")))
+    if closed:
+        raise HubError(f"learners cannot reach the course's Python ({os.path.realpath(sys.executable)}): "
+                       f"{', '.join(closed)} lets only its owner pass. Either `chmod o+x {' '.join(closed)}` "
+                       "(passing through, not listing) or make .venv from a Python all users can run: "
+                       "rm -rf .venv && make setup PYTHON=/usr/bin/python3")
     if state_file().exists() and hub_pid() is not None:
         raise HubError(f"a hub is running already (pid {hub_pid()}): `make hub-down` stops it")
     password = password or secrets.token_urlsafe(9)
