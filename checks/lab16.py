@@ -20,6 +20,7 @@ unit at offset 0 and at another offset, and names a mistake only when what it pr
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -63,16 +64,23 @@ def outputs_of(call) -> list[torch.Tensor]:
     return [t for t in (ref() for ref in call.outputs) if t is not None]
 
 
+# Ways of finishing a call after which nothing of the recorder holds its output. A gather waited
+# through its future is left out of the count of what is alive: the recorder's stand-in future keeps
+# the value it relayed (ringside.calls.Watched), so its output would look held by the learner.
+UNHELD = (None, "blocking", "wait", "synchronize", "is_completed")
+
+
 def alive_outputs(calls) -> list[torch.Tensor]:
     """The outputs of the recorded all-gathers that something still holds. gloo's worker thread may
     hold a finished collective's output a moment longer: wait up to 1 s for it to let go."""
+    watched = [c for c in gathers(calls) if c.get("completed_by") in UNHELD]
     for _ in range(100):
-        alive = [t for c in gathers(calls) for t in outputs_of(c)]
+        alive = [t for c in watched for t in outputs_of(c)]
         if not alive:
             return []
         del alive
         time.sleep(0.01)
-    return [t for c in gathers(calls) for t in outputs_of(c)]
+    return [t for c in watched for t in outputs_of(c)]
 
 
 def everyone(ok: bool) -> bool:
@@ -123,6 +131,10 @@ def shares_storage(value, tensor: torch.Tensor) -> bool:
 # --- The pieces, one at a time, over a space of inputs ---------------------------------------------
 
 
+def elements(n: int) -> str:
+    return f"{n} element{'' if n == 1 else 's'}"
+
+
 def shard_of_mistake(numel: int, n_ranks: int) -> str | None:
     """What is wrong with shard_of for a vector of `numel` elements at `n_ranks` ranks, or None."""
     flat = torch.arange(1.0, numel + 1.0)
@@ -132,7 +144,7 @@ def shard_of_mistake(numel: int, n_ranks: int) -> str | None:
     want = [padded[r * size:(r + 1) * size] for r in range(n_ranks)]
     got = [lab.shard_of(flat, r, n_ranks) for r in range(n_ranks)]
     if not torch.equal(flat, kept):
-        return f"shard_of changed the vector it was given ({numel} elements, world_size={n_ranks}): leave it as it is"
+        return f"shard_of changed the vector it was given ({elements(numel)}, world_size={n_ranks}): leave it as it is"
     if any(g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for g in got):
         return ("shard_of returned a view of its input: the shard must be a new tensor (.clone()), or the optimizer "
                 "steps the model's own memory")
@@ -144,23 +156,26 @@ def shard_of_mistake(numel: int, n_ranks: int) -> str | None:
             why = f"the shards skip elements: round the shard size UP, ceil({numel} / {n_ranks}) = {size}"
         else:
             why = f"the shards are too long: ceil({numel} / {n_ranks}) = {size} elements each"
-        return (f"shard_of({numel} elements, world_size={n_ranks}) gave shards of {[g.numel() for g in got]} "
+        return (f"shard_of({elements(numel)}, world_size={n_ranks}) gave shards of {[g.numel() for g in got]} "
                 f"elements: {why} (all-gather and reduce-scatter need equal pieces)")
-    for r, (g, w) in enumerate(zip(got, want)):
-        if torch.equal(g, w):
-            continue
-        others = [k for k in range(n_ranks) if torch.equal(g, want[k])]
-        if others:
-            return (f"shard_of({numel} elements, world_size={n_ranks}) for rank {r} returned the shard of rank "
-                    f"{others[0]}: a shard of the wrong rank - rank r takes the r-th piece, [r * size, (r + 1) * size), "
-                    f"as the collectives hand it out")
-        real = max(0, min(size, numel - r * size))
-        if torch.equal(g[:real], w[:real]):
-            return (f"the padding of rank {r}'s shard ({numel} elements, world_size={n_ranks}) holds "
-                    f"{g[real:].tolist()}, not zeros: the padding is fed to the optimizer (it steps every element "
-                    f"of the shard) and gathered with the layer - pad with zeros")
-        return f"shard_of({numel} elements, world_size={n_ranks}) for rank {r} returned {g.tolist()}, expected {w.tolist()}"
-    return None
+    if all(torch.equal(g, w) for g, w in zip(got, want)):
+        return None
+    # A known mistake is named only when what it predicts holds on every rank.
+    real = [max(0, min(size, numel - r * size)) for r in range(n_ranks)]
+    if all(torch.equal(g[:k], w[:k]) for g, w, k in zip(got, want, real)):
+        r = next(r for r in range(n_ranks) if got[r][real[r]:].any())
+        return (f"the padding of rank {r}'s shard ({elements(numel)}, world_size={n_ranks}) holds "
+                f"{got[r][real[r]:].tolist()}, not zeros: the padding is fed to the optimizer (it steps every element "
+                f"of the shard) and gathered with the layer - pad with zeros")
+    owners = [next((k for k in range(n_ranks) if torch.equal(g, want[k])), None) for g in got]
+    if sorted(k for k in owners if k is not None) == list(range(n_ranks)):
+        r = next(r for r in range(n_ranks) if owners[r] != r)
+        return (f"shard_of({elements(numel)}, world_size={n_ranks}) for rank {r} returned the shard of rank "
+                f"{owners[r]}: a shard of the wrong rank - rank r takes the r-th piece, [r * size, (r + 1) * size), "
+                f"as the collectives hand it out")
+    r = next(r for r in range(n_ranks) if not torch.equal(got[r], want[r]))
+    return (f"shard_of({elements(numel)}, world_size={n_ranks}) for rank {r} returned {got[r].tolist()}, expected "
+            f"{want[r].tolist()}")
 
 
 def check_shard_of(checks: Checks, me: Rank) -> bool:
@@ -367,8 +382,22 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
     """One forward and backward with the collectives and the gathered units watched."""
     units = wrapped.units
     block = {id(m): n for n, m in wrapped.module.named_modules()}
-    with collectives() as forward:
-        out = wrapped(x)
+    # What each unit's layers hold while it runs (the gathered views), however the unit was gathered:
+    # watched by a hook that runs after the unit's own (it was registered later).
+    placed = [[] for _ in units]
+
+    def watcher(i, unit):
+        def hook(module, args):
+            placed[i].extend(weakref.ref(t) for t in (resolve(unit.module, n) for n in unit.names) if torch.is_tensor(t))
+        return hook
+
+    handles = [unit.module.register_forward_pre_hook(watcher(i, unit)) for i, unit in enumerate(units)]
+    try:
+        with collectives() as forward:
+            out = wrapped(x)
+    finally:
+        for handle in handles:
+            handle.remove()
     forward_calls.extend(forward)
     held = [(block[id(u.module)], n) for u in units for n in u.names if torch.is_tensor(resolve(u.module, n))]
     if held:
@@ -379,9 +408,11 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
         return (f"the forward made {len(gathers(forward))} all-gathers for {len(units)} units: gather each unit just "
                 f"before its block runs")
     alive = alive_outputs(forward)
-    if alive:
+    kept = sum(any(ref() is not None for ref in refs) for refs in placed)
+    if alive or kept:
         held_by = holder_of(wrapped, alive)
-        return held_by or (f"after the forward {len(alive)} of the {len(units)} gathered units are still alive: "
+        return held_by or (f"after the forward {max(len(alive), kept)} of the {len(units)} gathered units are still "
+                           f"alive: "
                            f"autograd saved them for backward, so nothing was freed",
                            "pack a tensor of the gathered unit as its place only, and gather again in unpack "
                            "(saved-tensor hooks)")
@@ -401,7 +432,7 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
         return ("the backward made no all-gather: the gather not redone for backward - autograd computed with a "
                 "unit that was never gathered again (unpack must all-gather it)")
     if alive_outputs(backward):
-        return (f"after the backward {len(alive_outputs(backward))} of the units gathered for backward still alive: "
+        return (f"after the backward {len(alive_outputs(backward))} units gathered for backward are still alive: "
                 f"free the copy gathered for backward once its gradient is reduce-scattered (GatherUnit.backward)")
     sent = [c.dtype for c in reduce_scatters(backward)]
     if len(sent) < len(units):
@@ -414,16 +445,17 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
     for phase, calls in (("forward", forward), ("backward", backward)):
         other = next((c.dtype for c in gathers(calls) if c.dtype != compute), None)
         if other is not None:
-            return (f"with compute_dtype={dtype} the units were gathered in {other} in the {phase}, "
-                    f"{other.itemsize // compute.itemsize}x the bytes of {compute}: gather in the compute dtype "
-                    f"(all_gather_flat(shard, unit.dtype)), in backward too")
+            more = f", {other.itemsize // compute.itemsize}x the bytes of {compute}" if other.itemsize > compute.itemsize else ""
+            return (f"with compute_dtype={dtype} the units were gathered in {other} in the {phase}{more}: gather in "
+                    f"the compute dtype (all_gather_flat(shard, unit.dtype)), in backward too")
     # Every unit's weights are asked back in backward here (fc2's of every block): gathered again
     # once per unit, the bytes of one gather each. More is a gather per saved tensor.
     once = sum(c.bytes for c in gathers(forward))
     if sum(c.bytes for c in again) > once:
         return (f"the backward all-gathered {sum(c.bytes for c in again)} bytes in {len(again)} all-gathers, where "
-                f"gathering each of the {len(units)} units once sends {once}: a unit was gathered again for each "
-                f"tensor autograd asked back - once per backward (keep the copy in self.backward_copy)")
+                f"gathering each of the {len(units)} units once sends {once}",
+                "a unit was gathered again for each tensor autograd asked back - once per backward (keep the copy in "
+                "self.backward_copy)")
     return None
 
 
