@@ -35,6 +35,27 @@ def check_introduction(checks: Checks, line: str) -> None:
                   f"{line!r} does not name the backend {dist.get_backend()!r} - ask dist.get_backend()")
 
 
+def check_on_a_node_of_its_own(checks: Checks) -> None:
+    """A second node, rehearsed: each rank told it is local rank 0 of a node of its own (as torchrun
+    numbers a job of world_size nodes x 1 rank). The line must follow LOCAL_RANK, not the global rank
+    (on one node the two are equal, so a global rank used as the local one never shows otherwise)."""
+    rank = dist.get_rank()
+    saved = {name: os.environ.get(name) for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    try:
+        line = lab.describe_me()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    checks.expect(isinstance(line, str) and "local rank 0" in line and f"rank {rank} of " in line,
+                  f"on a second node (rank {rank} there is local rank 0, LOCAL_RANK=0) it introduced itself as "
+                  f"{line!r} - the local rank is the process's number on its own node: read "
+                  f"os.environ['LOCAL_RANK'], not the global rank")
+
+
 # Inputs chosen so that SUM differs from MAX, MIN, PRODUCT and the mean at every world size,
 # 2 included (where the ranks 0 and 1 alone give 0+1 = max(0, 1)).
 def values_for(case: int, rank: int) -> int:
@@ -109,6 +130,8 @@ def main(me: Rank, checks: Checks) -> None:
     line = lab.describe_me()
     print_ranked(line)  # rank 0 prints every rank's line, in rank order
     check_introduction(checks, line)
+    if not checks.failures:
+        check_on_a_node_of_its_own(checks)
     total = lab.sum_over_ranks(me.rank, me.device)
     if me.is_main:
         print(f"sum of ranks: {total}")

@@ -126,10 +126,24 @@ def check_timeout(checks: Checks) -> None:
                   f"(timedelta(seconds=30))")
 
 
+def sampler_of(loader: DataLoader):
+    """The sampler that orders the loader's samples: its `sampler`, or the one inside its batch_sampler
+    (DataLoader(dataset, batch_sampler=BatchSampler(DistributedSampler(...), ...)) is right too)."""
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    if not isinstance(loader.sampler, DistributedSampler) and isinstance(inner, DistributedSampler):
+        return inner
+    return loader.sampler
+
+
+def batch_size_of(loader: DataLoader) -> int | None:
+    """The number of samples per batch, given as batch_size= or by a batch_sampler."""
+    return loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+
+
 def check_loader(checks: Checks, loader: DataLoader, dataset: Dataset) -> bool:
     """The sampler's and loader's settings, read directly: each has its own classic mistake."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    sampler = loader.sampler
+    sampler = sampler_of(loader)
     if not isinstance(sampler, DistributedSampler):
         if loader.dataset is not dataset:  # split by hand (a Subset, a slice): each rank shuffles alone
             checks.fail(f"the DataLoader reads {len(loader.dataset)} of the {len(dataset)} samples with a "
@@ -156,16 +170,17 @@ def check_loader(checks: Checks, loader: DataLoader, dataset: Dataset) -> bool:
         ok = checks.expect(False, f"the DistributedSampler's seed is {sampler.seed}, not SEED={lab.SEED} - every rank "
                                   f"must shuffle with the same seed (seed + rank splits nothing: the ranks' "
                                   f"shares overlap)")
-    if loader.batch_size != lab.BATCH_PER_RANK:
-        if loader.batch_size == lab.BATCH_PER_RANK * world_size:
+    batch_size = batch_size_of(loader)
+    if batch_size != lab.BATCH_PER_RANK:
+        if batch_size == lab.BATCH_PER_RANK * world_size:
             hint = (f"that is the global batch: each rank's DataLoader takes BATCH_PER_RANK, and the "
                     f"{ranks_count(world_size)} together make the global batch of {lab.BATCH_PER_RANK * world_size}")
-        elif loader.batch_size == lab.BATCH_PER_RANK // world_size:
+        elif batch_size == lab.BATCH_PER_RANK // world_size:
             hint = ("you divided the batch by world_size: the sampler already splits the data, and "
                     "BATCH_PER_RANK is each rank's batch")
         else:
             hint = "each rank's DataLoader takes batch_size=BATCH_PER_RANK (the batch per rank)"
-        ok = checks.expect(False, f"the DataLoader's batch size is {loader.batch_size}, expected "
+        ok = checks.expect(False, f"the DataLoader's batch size is {batch_size}, expected "
                                   f"BATCH_PER_RANK={lab.BATCH_PER_RANK}: {hint}")
     return ok
 
@@ -389,7 +404,7 @@ def main(checks: Checks) -> None:
     with captured_stdout(echo=dist.get_rank() == 0) as printed:
         if not train_in_step(checks, model, loader, device):
             return
-    data_ok = check_data(checks, dataset.by_epoch(len(loader.sampler)), loader.sampler)
+    data_ok = check_data(checks, dataset.by_epoch(len(sampler_of(loader))), sampler_of(loader))
     check_logging(checks, printed.getvalue())
     check_weights(checks, model, dataset.base, against_reference=data_ok)
 

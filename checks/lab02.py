@@ -126,12 +126,16 @@ def token_plan_mistakes(plans: list, device: torch.device) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def halo_plan_mistakes(plans: list) -> list[str]:
+def halo_plan_mistakes(plans: list, width: int) -> list[str]:
     """What the planned calls of start_halo_exchange on all ranks show before any of them runs: a
-    peer that does not exist, a blocking call, or a message that no receive matches."""
+    peer that does not exist, a blocking call, a message of another size than a halo (gloo aborts the
+    receiving process on it), or a message that no receive matches."""
     world_size, found = len(plans), []
     for rank, ops in enumerate(plans):
-        for kind, peer, *_ in ops:
+        for kind, peer, _, numel, _ in ops:
+            if "send" in kind and numel != width:
+                found.append(f"with halos of width={width}, start_halo_exchange on rank {rank} sends {numel} "
+                             f"elements: a halo holds `width` of them - send local[:width] and local[-width:]")
             verb = "sends to" if "send" in kind else "receives from"
             if peer is None:
                 found.append("start_halo_exchange receives without src: name the neighbour (NCCL has no receive "
@@ -317,15 +321,23 @@ def main(me: Rank, checks: Checks) -> None:
         print_ranked(f"token {token}")
         check_token(checks, token)
 
-    size, width = 7, 2  # an odd slab size: a halo of 2 on each side
+    # An odd slab size and a halo of 2, then the other widths the contract allows (1, and 3 on a slab of 8).
+    for size, width in ((7, 2), (5, 1), (8, 3)):
+        if not halo_case(me, checks, size, width, show=width == 2) or checks.failures:
+            return
+
+
+def halo_case(me: Rank, checks: Checks, size: int, width: int, show: bool) -> bool:
+    """One smoothing step with start_halo_exchange on slabs of `size` and halos of `width`: the halos,
+    the smoothed slab, and the caller's slab left as it was. False where something was wrong."""
     local = slab_of(me.rank, me.world_size, size).to(me.device)
     # start_halo_exchange too runs on paper first: messages that nobody receives are named at once.
     halos = [torch.zeros(width, dtype=local.dtype, device=me.device) for _ in range(2)]
-    planned = halo_plan_mistakes(rehearse(lab.start_halo_exchange, local.clone(), *halos, width))
+    planned = halo_plan_mistakes(rehearse(lab.start_halo_exchange, local.clone(), *halos, width), width)
     for mistake in planned:
-        checks.fail(mistake)
+        checks.fail(f"(slabs of {size}, halos of {width}) {mistake}" if not show else mistake)
     if planned:
-        return
+        return False
     calls, seen = Recorder(), {}
 
     def watched_exchange(local, left_halo, right_halo, width):  # the check watches the calls it makes
@@ -334,6 +346,7 @@ def main(me: Rank, checks: Checks) -> None:
         seen["mistakes"] = halo_mistakes(calls, seen["returned"], local, width, left_halo, right_halo)
         return seen["returned"]
 
+    original = local.clone()
     try:
         smoothed, left_halo, right_halo = lab.smooth(local, width, watched_exchange)
     except RuntimeError as error:  # a wait that timed out: say what the calls showed
@@ -342,13 +355,20 @@ def main(me: Rank, checks: Checks) -> None:
         checks.fail("the halo exchange never finished (a wait timed out: likely a deadlock, or a neighbour "
                     "stopped - see the other ranks' lines)"
                     + (" - " + "; ".join(seen["mistakes"]) if seen["mistakes"] else ""))
-        return
+        return False
     for mistake in seen["mistakes"]:
         checks.fail(mistake)
-    print_ranked(f"halos {left_halo.tolist()} | {right_halo.tolist()}")
-    if check_halos(checks, left_halo, right_halo, size, width):  # wrong halos: the smoothing is wrong too
+    if show:
+        print_ranked(f"halos {left_halo.tolist()} | {right_halo.tolist()}")
+    ok = check_halos(checks, left_halo, right_halo, size, width)
+    ok = checks.expect(torch.equal(local, original),
+                       f"with halos of {width}, the caller's slab `local` changed during the exchange: send copies "
+                       f"of its edges (local[:width].clone()), never write into it") and ok
+    if ok:  # wrong halos: the smoothing is wrong too
         check_smoothing(checks, smoothed, size, width)
-    print0(f"smoothed {me.world_size} slabs of {size} with a halo of {width}")
+    if show:
+        print0(f"smoothed {me.world_size} slabs of {size} with a halo of {width}")
+    return ok
 
 
 # A short timeout: a send/recv that no rank matches fails in 10 s as a likely deadlock.

@@ -38,6 +38,11 @@ BAD = [
     ("rank 4 in a world of 4", ["--init-method", "tcp://127.0.0.1:29500", "--rank", "4", "--world-size", "4"], {},
      "rank"),
     ("a timeout of 0 s", ["--init-method", "tcp://127.0.0.1:29500", *RANKS, "--timeout", "0"], {}, "timeout"),
+    # inputs of the same kinds at another value: an empty (not missing) variable, a negative number
+    ("env:// with an empty MASTER_ADDR", [], {"MASTER_ADDR": "", "MASTER_PORT": "29500", "RANK": "0",
+                                             "WORLD_SIZE": "2"}, "MASTER_ADDR"),
+    ("a negative timeout (-5 s)", ["--init-method", "tcp://127.0.0.1:29500", *RANKS, "--timeout", "-5"], {}, "timeout"),
+    ("a negative rank", ["--init-method", "tcp://127.0.0.1:29500", "--rank", "-1", "--world-size", "2"], {}, "rank"),
 ]
 
 

@@ -76,10 +76,11 @@ def reference_job2(world_size: int, device: torch.device) -> tuple[float, float]
     return errors.double().sum().item() / errors.numel(), exact
 
 
-def reference_job3(world_size: int) -> torch.Tensor:
+def reference_job3(world_size: int, bad: float = float("nan")) -> torch.Tensor:
     """Every rank's step simulated in one process: the shards' gradients averaged, and a step
-    skipped by all when any shard's batch loss is not finite."""
+    skipped by all when any shard's batch loss is not finite (`bad`: how the bad labels read)."""
     x, y = lab.training_data(torch.device("cpu"), corrupt=True)
+    y = torch.where(torch.isnan(y), torch.full_like(y, bad), y)
     shards = [(x[r::world_size], y[r::world_size]) for r in range(world_size)]
     w = lab.new_weights(torch.device("cpu"))
     for start in range(0, lab.N_TRAIN // world_size, lab.BATCH):
@@ -319,6 +320,45 @@ def check_job2(me: Rank, checks: Checks, mse) -> None:
     checks.fail(f"job2_fixed: the mean squared error is {mse:.10f}, expected {want:.10f} - {hint}")
 
 
+@contextmanager
+def bad_labels_read_as(bad: float):
+    """The instrument's out-of-range readings recorded as `bad` (inf) instead of NaN, for the lab's
+    own code: training_data is replaced in the lab's globals, so every path to it sees them."""
+    names = lab.job3_fixed.__globals__
+    original = names["training_data"]
+
+    def training_data(device, corrupt=False):
+        x, y = original(device, corrupt)
+        return x, (torch.where(torch.isnan(y), torch.full_like(y, bad), y) if corrupt else y)
+
+    names["training_data"] = training_data
+    try:
+        yield
+    finally:
+        names["training_data"] = original
+
+
+def job3_fixed_with_inf_labels(me: Rank):
+    """job3_fixed on data whose bad labels read inf: its loss is inf, not NaN, and the step must be
+    skipped all the same ("not finite", the TODO says)."""
+    with bad_labels_read_as(float("inf")):
+        return lab.job3_fixed(me)
+
+
+def check_job3_inf(me: Rank, checks: Checks, w) -> None:
+    want = reference_job3(me.world_size, float("inf"))
+    if not isinstance(w, torch.Tensor):
+        checks.fail(f"job3_fixed returned {type(w).__name__}, expected the weights")
+    elif not torch.isfinite(w).all():
+        checks.fail("job3_fixed: with the bad labels recorded as inf instead of NaN, the loss is inf and the "
+                    "weights end up inf or NaN - that step was not skipped: test the loss with torch.isfinite "
+                    "(inf and NaN), not torch.isnan")
+    else:
+        checks.expect(close(w, want), "job3_fixed: with the bad labels recorded as inf instead of NaN, the weights "
+                                      "differ from the reference that skips, on every rank, the one step whose "
+                                      "loss is not finite")
+
+
 def check_job3(me: Rank, checks: Checks, w) -> None:
     want = reference_job3(me.world_size)
     if not isinstance(w, torch.Tensor):
@@ -516,7 +556,10 @@ def main(me: Rank, checks: Checks) -> None:
     if job is not None:
         run_broken(me, checks, job)
         return
-    for fixed, check in ((lab.job1_fixed, check_job1), (lab.job2_fixed, check_job2), (lab.job3_fixed, check_job3)):
+    for fixed, check in ((lab.job1_fixed, check_job1), (lab.job2_fixed, check_job2), (lab.job3_fixed, check_job3),
+                         (job3_fixed_with_inf_labels, check_job3_inf)):
+        if fixed is job3_fixed_with_inf_labels and checks.failures:  # inf labels once the rest is right
+            break
         ran, result = run_fixed(fixed, me, checks)
         if not ran or not everyone_returned(fixed, me, checks):  # the group is broken: fix this job first
             return

@@ -1,6 +1,6 @@
 """Chapter 00: the mistakes its check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 SUM = "    dist.all_reduce(mine, op=dist.ReduceOp.SUM)\n"
 
@@ -42,3 +42,32 @@ MUTATIONS = [
 ]
 
 NODES = True  # LOCAL_RANK and the rank's device
+
+MUTATIONS += [
+    # REVIEW B: a global rank where the local one belongs passes on one node (RANK == LOCAL_RANK)
+    Mutation("local rank read from RANK", 'local_rank = int(os.environ["LOCAL_RANK"])',
+             'local_rank = int(os.environ["RANK"])', "read os.environ['LOCAL_RANK'], not the global rank", 2),
+    Mutation("local rank taken from dist.get_rank()", 'local_rank = int(os.environ["LOCAL_RANK"])',
+             "local_rank = dist.get_rank()", "read os.environ['LOCAL_RANK'], not the global rank", 3),
+    Mutation("a float returned", "    return int(mine.item())\n", "    return float(mine.item())\n",
+             "return a Python int", 2),
+]
+
+SUM_BODY = ("    mine = torch.tensor([value], device=device)\n    dist.all_reduce(mine, op=dist.ReduceOp.SUM)\n"
+            "    return int(mine.item())\n")
+
+CORRECT = [
+    Variant("every value all-gathered into one tensor, then summed", SUM_BODY,
+            "    everyone = torch.empty(dist.get_world_size(), dtype=torch.long, device=device)\n"
+            "    dist.all_gather_into_tensor(everyone, torch.tensor([value], device=device))\n"
+            "    return int(everyone.sum().item())\n", 3),
+    Variant("async_op=True, then the future waited", SUM, "    dist.all_reduce(mine, async_op=True).get_future().wait()\n", 3),
+    Variant("all_gather_object and Python's sum", SUM_BODY,
+            "    values = [None] * dist.get_world_size()\n    dist.all_gather_object(values, value)\n"
+            "    return sum(values)\n", 3),
+    Variant("reduce to rank 0, then broadcast", SUM,
+            "    dist.reduce(mine, dst=0)\n    dist.broadcast(mine, src=0)\n", 3),
+    Variant("identity read from torchrun's variables",
+            "rank, world_size = dist.get_rank(), dist.get_world_size()\n    local_rank",
+            'rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])\n    local_rank', 3),
+]

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 SOLUTION = (Path(__file__).resolve().parents[2] / "solutions" / "01_dp_to_ddp.py").read_text()
 
@@ -104,3 +104,27 @@ MUTATIONS = [
 ]
 
 NODES = True  # LOCAL_RANK and the rank's device
+
+# make_loader's body through train()'s set_epoch: a loader built on a batch_sampler is told its epoch there
+BATCH_SAMPLER_SPAN = SOLUTION[SOLUTION.index(SAMPLER):SOLUTION.index("        loader.sampler.set_epoch(epoch)\n") + 40]
+
+CORRECT = [
+    Variant("the group joined with every setting spelled out",
+            "    dist.init_process_group(backend, timeout=timedelta(seconds=30))\n",
+            '    dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),\n'
+            '                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(minutes=2))\n', 3),
+    Variant("the sampler told the group's size and rank, and a BatchSampler over it", BATCH_SAMPLER_SPAN,
+            BATCH_SAMPLER_SPAN.replace(SAMPLER + LOADER,
+            "    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),\n"
+            "                                 shuffle=True, seed=SEED, drop_last=False)\n"
+            "    batches = torch.utils.data.BatchSampler(sampler, BATCH_PER_RANK, drop_last=False)\n"
+            "    return DataLoader(dataset, batch_sampler=batches)\n").replace(
+                "        loader.sampler.set_epoch(epoch)\n", "        loader.batch_sampler.sampler.set_epoch(epoch)\n"), 3),
+    Variant("DDP with the CPU's defaults and gradients as bucket views", DDP_LINE,
+            "    return DDP(model, gradient_as_bucket_view=True) if device.type == 'cpu' else DDP(model, device_ids=[device])\n", 3),
+    Variant("the epoch's loss averaged over the ranks, printed by rank 0",
+            '        if dist.get_rank() == 0:\n            print(f"epoch {epoch}: loss {total / batches:.4f}")\n',
+            "        mean = torch.tensor([total / batches], device=device)\n"
+            "        dist.all_reduce(mean, op=dist.ReduceOp.AVG)\n"
+            '        if int(os.environ["RANK"]) == 0:\n            print(f"epoch {epoch}: loss {mean.item():.4f}")\n', 3),
+]

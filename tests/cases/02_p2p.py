@@ -107,3 +107,29 @@ CORRECT = [
     Variant("digit appended in place", "        token = token * 10 + rank + 1\n",
             "        token.mul_(10).add_(rank + 1)\n", 3),
 ]
+
+TOKEN_RING = ("    if rank == 0:\n        dist.send(token, dst=right)\n        dist.recv(token, src=left)\n    else:\n"
+              "        dist.recv(token, src=left)\n        token = token * 10 + rank + 1\n        dist.send(token, dst=right)\n")
+HALO_POSTS = ("        dist.P2POp(dist.isend, local[-width:].contiguous(), right),  # travels right ...\n"
+              "        dist.P2POp(dist.irecv, left_halo, left),  # ... and so does what the left neighbour sends us\n"
+              "        dist.P2POp(dist.isend, local[:width].contiguous(), left),  # travels left\n"
+              "        dist.P2POp(dist.irecv, right_halo, right),\n")
+CORRECT += [
+    Variant("the ring with isend/irecv, each waited at once", TOKEN_RING,
+            "    if rank == 0:\n        dist.isend(token, dst=right).wait()\n        dist.irecv(token, src=left).wait()\n"
+            "    else:\n        dist.irecv(token, src=left).wait()\n        token = token * 10 + rank + 1\n"
+            "        dist.isend(token, dst=right).wait()\n", 3),
+    Variant("the new token made from a Python int", "        token = token * 10 + rank + 1\n",
+            "        token = torch.tensor([int(token.item()) * 10 + rank + 1], device=device)\n", 3),
+    Variant("both receives posted first, then both sends (each direction in the same order)", HALO_POSTS,
+            "        dist.P2POp(dist.irecv, left_halo, left),\n        dist.P2POp(dist.irecv, right_halo, right),\n"
+            "        dist.P2POp(dist.isend, local[-width:].clone(), right),\n"
+            "        dist.P2POp(dist.isend, local[:width].clone(), left),\n", 2),
+]
+
+MUTATIONS += [
+    # REVIEW B: an argument at one value only (the lab's own run uses width=2)
+    Mutation("halo width written as 2", HALO_POSTS,
+             HALO_POSTS.replace("local[-width:]", "local[-2:]").replace("local[:width]", "local[:2]"),
+             "sends 2 elements: a halo holds `width` of them", 2),
+]

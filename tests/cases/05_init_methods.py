@@ -1,6 +1,6 @@
 """Chapter 05: the mistakes its check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 SLOW = True  # each run waits out a 2 s rendezvous timeout, a wrong one up to 20 s
 
@@ -54,3 +54,34 @@ MUTATIONS += [
 
 NPROCS = (1, 2, 3, 4)  # each run waits out timeouts: 5 ranks adds 15 s and nothing new
 NODES = True  # RANK, not LOCAL_RANK, is the rank in the group
+
+CORRECT = [
+    Variant("the scheme read by urlparse, the file path checked with pathlib",
+            '    scheme = method.split("://", 1)[0] if "://" in method else ""\n',
+            '    scheme = urlparse(method).scheme if "://" in method else ""\n', 2),
+    Variant("the file path checked with pathlib",
+            '        if not path.startswith("/"):\n',
+            '        if not __import__("pathlib").PurePosixPath(path).is_absolute():\n', 2),
+    Variant("rank and world size looked up in the environment first, the command line winning",
+            '    rank = args.rank if args.rank is not None else environ.get("RANK")\n'
+            '    world_size = args.world_size if args.world_size is not None else environ.get("WORLD_SIZE")\n',
+            '    rank, world_size = environ.get("RANK"), environ.get("WORLD_SIZE")\n'
+            '    if args.rank is not None:\n        rank = args.rank\n'
+            '    if args.world_size is not None:\n        world_size = args.world_size\n', 2),
+    Variant("the group joined by keywords, the timeout in milliseconds",
+            '    dist.init_process_group("gloo", init_method=settings.init_method, rank=settings.rank,\n'
+            '                            world_size=settings.world_size, timeout=timedelta(seconds=settings.timeout_s))\n',
+            '    dist.init_process_group(backend="gloo", world_size=settings.world_size, rank=settings.rank,\n'
+            '                            timeout=timedelta(milliseconds=1000 * settings.timeout_s),\n'
+            '                            init_method=settings.init_method)\n', 2),
+]
+
+MUTATIONS += [
+    # REVIEW B: an empty (not missing) environment variable; a negative number where 0 was tried
+    Mutation("an empty MASTER_ADDR taken as set", "if not environ.get(name)]", "if name not in environ]",
+             "env:// with an empty MASTER_ADDR was accepted", 2),
+    Mutation("only a timeout of exactly 0 refused", "    if args.timeout <= 0:\n", "    if args.timeout == 0:\n",
+             "a negative timeout (-5 s) was accepted", 2),
+    Mutation("the rank's lower bound not tested", "not 0 <= rank < world_size", "not rank < world_size",
+             "a negative rank was accepted", 2),
+]

@@ -1,6 +1,6 @@
 """Chapter 14: the mistakes its check must name, in the fixed jobs and in the diagnoses."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 SLOW = True  # some of its mutated jobs wait out a 10 s collective timeout
 
@@ -82,3 +82,27 @@ MUTATIONS = [
 ]
 NPROCS = (2, 3, 4)
 REFUSES = (1, 5)  # one rank has no one to part ways with; diagnoses are written for 2-4
+
+CORRECT = [
+    Variant("job 1: the ranks' mean by ReduceOp.AVG",
+            "        dist.all_reduce(mean_loss)\n        if mean_loss.item() / me.world_size < TARGET_LOSS:\n",
+            "        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)\n        if mean_loss.item() < TARGET_LOSS:\n", 3),
+    Variant("job 2: each rank's (sum, count) gathered as objects",
+            "    totals = torch.stack([errors.double().sum(),\n"
+            "                          torch.tensor(errors.numel(), dtype=torch.float64, device=errors.device)])\n"
+            "    dist.all_reduce(totals)\n    return (totals[0] / totals[1]).item()\n",
+            "    parts = [None] * dist.get_world_size()\n"
+            "    dist.all_gather_object(parts, (errors.double().sum().item(), errors.numel()))\n"
+            "    return sum(s for s, _ in parts) / sum(n for _, n in parts)\n", 3),
+    Variant("job 3: every rank's 'finite' flag reduced with MIN",
+            "        bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=me.device)\n"
+            "        dist.all_reduce(bad)\n        if bad.item() > 0:\n",
+            "        finite = torch.isfinite(loss.detach()).to(torch.int32).reshape(1)\n"
+            "        dist.all_reduce(finite, op=dist.ReduceOp.MIN)\n        if finite.item() == 0:\n", 3),
+]
+
+MUTATIONS += [
+    # REVIEW B: an input never tried: a loss that is inf, not NaN
+    Mutation("job3 fix tests the loss for NaN only", "0.0 if torch.isfinite(loss) else 1.0",
+             "1.0 if torch.isnan(loss) else 0.0", "not torch.isnan", 2),
+]
