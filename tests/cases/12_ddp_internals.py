@@ -41,10 +41,10 @@ CORRECT = [
             "        work = dist.all_reduce(flat, async_op=True).get_future()\n", 2),
     # REVIEW 4, 12 item 8: DDP's own order - persistent bucket buffers, divided before the all-reduce
     Variant("persistent bucket buffers, divided before the all-reduce", LAUNCH_TO_WAIT,
-            ('        if not hasattr(self, "buffers"):  # one persistent buffer per bucket, as DDP keeps\n'
-             '            self.buffers = [torch.empty(sum(self.params[i].numel() for i in b), device=self.params[b[0]].device)\n'
+            ('        if getattr(self, "bucket_buffers", None) is None:  # one persistent buffer per bucket, as DDP keeps\n'
+             '            self.bucket_buffers = [torch.empty(sum(self.params[i].numel() for i in b), device=self.params[b[0]].device)\n'
              '                            for b in self.buckets]\n'
-             '        flat, offset = self.buffers[bucket], 0\n'
+             '        flat, offset = self.bucket_buffers[bucket], 0\n'
              '        for i in self.buckets[bucket]:\n'
              '            p = self.params[i]\n'
              '            piece = flat[offset:offset + p.numel()]\n'
