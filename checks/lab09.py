@@ -31,14 +31,14 @@ PROBE_A, PROBE_B = torch.tensor([3.0, -1.5, 0.25]), torch.tensor([0.5, 2.0, -8.0
 
 
 def one_iteration(grad_a: torch.Tensor, grad_b: torch.Tensor,
-                  frozen: bool = False) -> tuple[torch.Tensor, bool, float]:
+                  frozen: bool = False, scale: float = PROBE_SCALE) -> tuple[torch.Tensor, bool, float]:
     """One iteration (scale, backward, unscale_, step, update) of a fresh LossScaler at PROBE_SCALE,
     on two parameters whose gradients are grad_a and grad_b, each in a param group of its own
     (frozen: plus one that takes no part in the loss, its .grad None). Returns the gradients after
     unscale_, whether the step was taken (the weights moved), and the scale after update()."""
     a, b, unused = (nn.Parameter(torch.ones(3)) for _ in range(3))
     optimizer = torch.optim.SGD([{"params": [a]}, {"params": [b, unused] if frozen else [b]}], lr=0.1)
-    scaler = lab.LossScaler(PROBE_SCALE, **FACTORS)
+    scaler = lab.LossScaler(scale, **FACTORS)
     loss = (a * grad_a).sum() + (b * grad_b).sum()
     scaler.scale(loss - loss.detach()).backward()  # the loss's value is 0 unless a gradient is inf or NaN
     scaler.unscale_(optimizer)
@@ -167,6 +167,14 @@ def diagnose_one_iteration() -> str | None:
                     f"{s:g}; GradScaler: {s * BACKOFF:g}): update() must multiply it by backoff_factor when this "
                     f"iteration found an inf or a NaN - or the finding was cleared (in step()?) before update() "
                     f"read it")
+    # At a scale of 1 (a scale that has backed off all the way), gradients of 2**127: each element fits
+    # float32, their sum does not. GradScaler tests each element and takes the step; a test of a sum
+    # or a norm sees an inf that is not there.
+    _, stepped, scale = one_iteration(torch.full((3,), 2.0**127), PROBE_B, scale=1.0)
+    if not stepped or scale < 1.0:
+        return (f"at a scale of 1, with gradients of {2.0**127:.3g} (each finite in float32, their sum is not) "
+                f"your scaler skipped the step or backed off; GradScaler takes it: test each element "
+                f"(torch.isfinite(g).all()), not a sum or a norm of the gradient, which overflows")
     return None
 
 

@@ -1,6 +1,6 @@
 """Chapter 06: the mistakes its check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 SHUFFLE = ("    if shuffle:\n        generator = torch.Generator()\n        generator.manual_seed(seed + epoch)\n"
            "        order = torch.randperm(n, generator=generator).tolist()\n    else:\n        order = list(range(n))\n")
@@ -70,4 +70,18 @@ MUTATIONS = [
              "order = (order * math.ceil(per_rank * num_replicas / max(n, 1)))[:per_rank * num_replicas]",
              "order = (order + list(range(n)) * math.ceil(per_rank * num_replicas / max(n, 1)))[:per_rank * num_replicas]",
              "the padding repeats 0, 1, 2, ... (the start of the unshuffled list)", 2),
+]
+
+PAD = "        order = (order * math.ceil(per_rank * num_replicas / max(n, 1)))[:per_rank * num_replicas]\n"
+CORRECT = [
+    Variant("padding by position modulo n", PAD,
+            "        order = [order[i % n] for i in range(per_rank * num_replicas)] if n else []\n", 2),
+    Variant("a generator seeded in one expression",
+            "        generator = torch.Generator()\n        generator.manual_seed(seed + epoch)\n"
+            "        order = torch.randperm(n, generator=generator).tolist()\n",
+            "        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()\n", 2),
+    Variant("this rank's positions listed one by one", "    return order[rank::num_replicas]\n",
+            "    return [order[i] for i in range(rank, len(order), num_replicas)]\n", 3),
+    Variant("the epoch told through the loader", "read what the check found\n        sampler.set_epoch(epoch)\n",
+            "read what the check found\n        loader.sampler.set_epoch(epoch)\n", 2),
 ]

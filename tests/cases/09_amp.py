@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 UPDATE = ("self.scale_value *= self.backoff_factor\n            self.clean_steps = 0\n        else:\n"
           "            self.clean_steps += 1\n            if self.clean_steps == self.growth_interval:\n"
@@ -69,4 +69,36 @@ MUTATIONS = [
     # A side effect the lab's own loop cannot see (it never logs the loss it scaled)
     Mutation("the caller's loss scaled in place", "        return loss * self.scale_value\n",
              "        return loss.mul_(self.scale_value)\n", "changed the caller's loss in place", 3),
+]
+
+UNSCALE = ("        found_inf = False\n        for group in optimizer.param_groups:\n            for p in group[\"params\"]:\n"
+           "                if p.grad is None:\n                    continue\n                p.grad.div_(self.scale_value)\n"
+           "                found_inf = found_inf or not bool(torch.isfinite(p.grad).all())\n"
+           "        self.found_inf = found_inf\n")
+
+CORRECT = [
+    Variant("GradScaler's own kernel: _amp_foreach_non_finite_check_and_unscale_", UNSCALE,
+            '        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]\n'
+            "        found = torch.zeros(1)\n"
+            "        if grads:\n"
+            "            inv_scale = torch.full((1,), self.scale_value, dtype=torch.float64).reciprocal().float()\n"
+            "            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)\n"
+            "        self.found_inf = bool(found.item())\n", 2),
+    Variant("inf and NaN tested apart, over a list of the gradients", UNSCALE,
+            '        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]\n'
+            "        for g in grads:\n            g.div_(self.scale_value)\n"
+            "        self.found_inf = any(bool((torch.isinf(g) | torch.isnan(g)).any()) for g in grads)\n", 2),
+    Variant("growth counted modulo growth_interval",
+            "            if self.clean_steps == self.growth_interval:\n                self.scale_value *= self.growth_factor\n"
+            "                self.clean_steps = 0  # growth restarts the count too\n",
+            "            if self.clean_steps % self.growth_interval == 0:\n                self.scale_value *= self.growth_factor\n", 2),
+]
+
+MUTATIONS += [
+    # REVIEW B: an argument left at its default (the check's growth_interval is not GradScaler's 2000)
+    Mutation("growth_interval read as GradScaler's default", "if self.clean_steps == self.growth_interval:",
+             "if self.clean_steps == 2000:", "growth", 2),
+    # REVIEW B: an input never tried: finite gradients whose sum overflows
+    Mutation("inf tested on the sum of each gradient", "not bool(torch.isfinite(p.grad).all())",
+             "not bool(torch.isfinite(p.grad.sum()))", "not a sum or a norm of the gradient", 2),
 ]
