@@ -297,12 +297,13 @@ def check_gather(checks: Checks, me: Rank) -> bool:
 # state, lists, dicts), counted by the memory it keeps alive: a view keeps its whole storage.
 LEAVES = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, types.FunctionType,
           types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType, weakref.ref, torch.dtype,
-          torch.device, torch.Generator, torch.nn.Module)
+          torch.device, torch.Generator)
 
 
 def held_tensors(root, limit: int = 100_000) -> list[torch.Tensor]:
     """Every tensor reachable from `root` through attributes, slots, dicts (keys too), lists, tuples and
-    sets, a model's modules left out (its parameters are not the optimizer's)."""
+    sets (modules too: a ParameterList of moments is state; the model's own parameters are left out
+    by the caller)."""
     found, seen, todo = [], set(), [root]
     while todo and len(seen) < limit:
         value = todo.pop()
@@ -381,7 +382,9 @@ def moments_shape_mistake(optimizer: lab.ShardedAdam, shard: int) -> str | None:
     moments = {name: getattr(optimizer, name, None) for name in ("exp_avg", "exp_avg_sq")}
     if not all(isinstance(m, torch.Tensor) for m in moments.values()):
         return None  # named otherwise: the step will say what is missing
-    if moments["exp_avg"].untyped_storage().data_ptr() == moments["exp_avg_sq"].untyped_storage().data_ptr():
+    a, b = moments["exp_avg"], moments["exp_avg_sq"]
+    if (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one memory, overlapping elements
+            and a.storage_offset() < b.storage_offset() + b.numel() and b.storage_offset() < a.storage_offset() + a.numel()):
         return ("exp_avg and exp_avg_sq are one tensor: `a = b = torch.zeros(...)` (or b = a) makes one, and "
                 "each moment's update then overwrites the other - create two (torch.zeros_like)")
     for name, m in moments.items():
