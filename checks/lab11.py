@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import pickle
 import re
+import shutil
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -256,23 +258,52 @@ def check_accuracy(checks: Checks, result: Result, args: argparse.Namespace) -> 
                   f"check the train step (autocast, scaler.step, zero_grad) and the data split")
 
 
+class StopsTheSave:
+    """A value whose pickling raises `error`: a save stopped half-way, by an error or by Ctrl-C."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __reduce__(self):
+        raise self.error
+
+
 def check_atomic_save(checks: Checks, directory: Path, me: Rank) -> None:
-    """A save that fails half-way must leave the previous checkpoint readable."""
+    """A save stopped half-way must leave the previous checkpoint readable and no file behind, and
+    must let a KeyboardInterrupt (a BaseException, not an Exception) go on. Observed: the file at the
+    path, every file of its folder, what the save raised."""
+    directory = directory / f"atomic-check-rank{me.rank}"  # a folder of this rank's own: its listing is ours
+    directory.mkdir(exist_ok=True)
     path = directory / f"atomic-check-rank{me.rank}.pt"
     good = {"value": torch.arange(5)}
     lab.save_checkpoint(path, good)
-    try:
-        lab.save_checkpoint(path, {"value": torch.arange(5), "cannot be saved": lambda: 0})
-    except Exception:
-        pass  # the second save must fail: a lambda cannot be pickled
-    try:
-        survived = torch.equal(torch.load(path, weights_only=True)["value"], good["value"])
-    except Exception:
-        survived = False
-    checks.expect(survived, "a save that failed half-way destroyed the previous checkpoint: torch.save "
-                            "into a temporary file in the same folder, then os.replace it onto the path")
-    leftovers = sorted(p.name for p in directory.iterdir() if p.name.startswith(f".{path.name}"))
-    checks.expect(not leftovers, f"a failed save left {leftovers} behind: delete the temporary file when saving fails")
+    before = {p.name for p in directory.iterdir()}
+    for error, stopped_by in ((pickle.PicklingError("cannot be saved"), "an error"),
+                              (KeyboardInterrupt(), "Ctrl-C (KeyboardInterrupt)")):
+        raised = None
+        try:
+            lab.save_checkpoint(path, {"value": torch.arange(5), "stops the save": StopsTheSave(error)})
+        except BaseException as caught:  # noqa: B036 - the save must fail: its state cannot be pickled
+            raised = caught
+        try:
+            survived = torch.equal(torch.load(path, weights_only=True)["value"], good["value"])
+        except Exception:
+            survived = False
+        leftovers = sorted({p.name for p in directory.iterdir()} - before)
+        checks.expect(survived, f"a save stopped half-way by {stopped_by} destroyed the previous checkpoint: "
+                                f"torch.save into a temporary file in the same folder, then os.replace it onto the path")
+        if not checks.expect(not leftovers, f"a save stopped half-way by {stopped_by} left {leftovers} behind: delete "
+                                            f"the temporary file whatever stops the save"
+                                            + (" - except Exception does not catch KeyboardInterrupt: clean up in "
+                                               "except BaseException (then raise) or in finally"
+                                               if isinstance(error, KeyboardInterrupt) else "")):
+            for name in leftovers:
+                (directory / name).unlink(missing_ok=True)
+        if isinstance(error, KeyboardInterrupt):
+            what = type(raised).__name__ if raised else "it returned"
+            checks.expect(isinstance(raised, KeyboardInterrupt),
+                          f"save_checkpoint swallowed a KeyboardInterrupt ({what}): clean up, then raise it again, "
+                          f"so that Ctrl-C still stops the run")
     path.unlink(missing_ok=True)
 
     unsafe = directory / f"unsafe-check-rank{me.rank}.pt"
@@ -283,6 +314,7 @@ def check_atomic_save(checks: Checks, directory: Path, me: Rank) -> None:
     except Exception:
         refused = True
     unsafe.unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
     checks.expect(refused, "read_checkpoint loaded an arbitrary pickled object: pass weights_only=True to "
                            "torch.load, so that a checkpoint cannot run code")
 

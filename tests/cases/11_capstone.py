@@ -1,6 +1,6 @@
 """Chapter 11: the mistakes its check must name."""
 
-from mutation import Mutation
+from mutation import Mutation, Variant
 
 # Chapter 11's notebook runs the capstone under torchrun at 1, 2 and 4 ranks and asserts the check's PASS
 # (nbval, in make test): here the size it does not, and 2 nodes x 2 ranks.
@@ -78,4 +78,35 @@ MUTATIONS = [
     # found by trying mistakes not planted: PyTorch's words say what clashes, not what to change
     Mutation("DataLoader shuffles as well as the sampler", "sampler=sampler, drop_last=True)",
              "sampler=sampler, drop_last=True, shuffle=True)", "drop shuffle=True (DistributedSampler shuffles"),
+]
+
+CORRECT = [
+    Variant("the checkpoint written through tempfile in the target's folder",
+            '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, "wb") as f:\n',
+            '    import tempfile\n    f = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False)\n'
+            '    tmp = Path(f.name)\n    try:\n        with f:\n', 3),
+    Variant("each rank evaluates a contiguous block of the test set",
+            "    mine = torch.arange(me.rank, len(test_set), me.world_size)\n",
+            "    mine = torch.tensor_split(torch.arange(len(test_set)), me.world_size)[me.rank]\n", 3),
+    Variant("the chapter 08 recipe: fork_rng(devices=[]) and the CPU's default generator",
+            "    rank_devices = [device] if device.type == \"cuda\" else []  # every generator manual_seed touches here\n"
+            "    with torch.random.fork_rng(devices=rank_devices):\n        torch.manual_seed(seed)\n",
+            "    with torch.random.fork_rng(devices=[]):\n        torch.random.default_generator.manual_seed(seed)\n", 3),
+    Variant("the resumed epoch skips its done batches by enumerate",
+            "        batches = itertools.islice(loader, progress.step_in_epoch, None)\n",
+            "        batches = (batch for i, batch in enumerate(loader) if i >= progress.step_in_epoch)\n", 3),
+]
+
+SAVE = ('    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, "wb") as f:\n            torch.save(state, f)\n'
+        "            f.flush()\n            os.fsync(f.fileno())\n        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half\n"
+        "    except BaseException:\n        tmp.unlink(missing_ok=True)\n        raise\n")
+MUTATIONS += [
+    # REVIEW B: an exception that is not an Exception
+    Mutation("cleanup on Exception only (Ctrl-C leaves the temporary)", "    except BaseException:\n        tmp.unlink",
+             "    except Exception:\n        tmp.unlink", "except Exception does not catch KeyboardInterrupt", 3),
+    Mutation("a temporary named path.tmp, never removed", SAVE,
+             '    tmp = path.with_suffix(".tmp")\n    torch.save(state, tmp)\n    os.replace(tmp, path)\n',
+             "left ['atomic-check-rank", 3),
+    Mutation("Ctrl-C swallowed by the cleanup", "        tmp.unlink(missing_ok=True)\n        raise\n",
+             "        tmp.unlink(missing_ok=True)\n", "swallowed a KeyboardInterrupt", 3),
 ]
