@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.calls import Recorder, lab_namespaces
 from ringside.compare import max_diff
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -67,61 +68,33 @@ def reference(world_size: int) -> dict[str, torch.Tensor]:
 
 
 class AsyncWatch:
-    """While active, every dist.all_reduce(..., async_op=True) is noted with the phase it was made in
-    (forward, backward, ...) and whether its handle was waited on. The calls go through unchanged;
-    on leaving, the check waits on what the learner left pending, so no collective stays in flight."""
+    """While active, the one recorder (ringside.calls) notes every collective with the phase it was
+    made in (forward, backward, ...) and whether it completed, however the learner waited. On leaving,
+    the check waits on what the learner left pending, so no collective stays in flight."""
 
     def __init__(self):
-        self.phase, self.notes = "", []
+        self.phase = ""
+        self.recorder = Recorder(namespaces=lab_namespaces(lab), on_call=self._note_phase)
+
+    def _note_phase(self, call) -> None:
+        call["phase"] = self.phase
 
     def __enter__(self):
-        self.original = dist.all_reduce
-
-        def all_reduce(tensor, *args, **kwargs):
-            work = self.original(tensor, *args, **kwargs)
-            if not kwargs.get("async_op", args[2] if len(args) > 2 else False) or work is None:
-                return work
-            note = {"phase": self.phase, "waited": False, "work": work}
-            self.notes.append(note)
-            return Watched(work, note)
-
-        dist.all_reduce = all_reduce
+        self.recorder.__enter__()
         return self
 
     def __exit__(self, error_type, *exc):
-        dist.all_reduce = self.original
-        for note in self.notes:
-            if not note["waited"] and error_type is None:  # after an error, its report comes first
-                note["work"].wait()
+        self.recorder.__exit__(error_type, *exc)
+        if error_type is None:  # after an error, its report comes first
+            for call in self.recorder.calls:
+                if call.async_op and not call.completed and call.work is not None:
+                    call.work.wait()
 
     def unwaited(self) -> list[str]:
-        phases = {note["phase"] for note in self.notes if not note["waited"]}
+        phases = {call["phase"] for call in self.recorder.of("all_reduce") if call.async_op and not call.completed}
         if "global_channel_stats" in phases:  # called from forward: forward's own finding is the same one
             phases.discard("forward")
         return sorted(phases)
-
-
-class Watched:
-    """An all_reduce's handle whose wait() (or get_future(), or a completed poll) is noted."""
-
-    def __init__(self, work, note: dict):
-        self.work, self.note = work, note
-
-    def wait(self, *args, **kwargs):
-        self.note["waited"] = True
-        return self.work.wait(*args, **kwargs)
-
-    def get_future(self):
-        self.note["waited"] = True
-        return self.work.get_future()
-
-    def is_completed(self) -> bool:
-        done = self.work.is_completed()
-        self.note["waited"] |= done
-        return done
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
 
 
 def mine(rank: int, world_size: int, device: torch.device, watch: AsyncWatch) -> dict[str, torch.Tensor]:
