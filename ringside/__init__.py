@@ -11,9 +11,12 @@ Each module says in its docstring which chapter explains what it does.
 - __main__:   `python -m ringside NPROC SCRIPT`, what `make lab` runs: torchrun with the lab's
               verdict as the last word on screen.                               every lab
 - lab:        the labs' self-check (`run_lab`, `Checks`).                       every lab
+- progress:   every learner's lab verdicts, for `make progress` and a workshop hub's `make room`.
 - compare:    tensors compared with a stated tolerance, and a one-line reason when they differ.
-- calls:      a rank's point-to-point calls recorded or rehearsed with nothing sent (`DryRun`),
-              for the checks of labs 02-04; `refused` keeps a block off the collectives.  labs
+- calls:      the one recorder of collectives and point-to-point calls at the c10d boundary
+              (`Recorder`, `lab_namespaces`) for every lab check; `DryRun` rehearses with nothing sent.
+- standin:    a stand-in GPU whose random generator has its own state (`StandInGPU`), so a
+              check on a CPU judges what a GPU run would leave behind.           labs 08, 10
 - data:       data sets that need no download (scikit-learn's digits, a seeded regression).
 - ring:       the ring all-reduce's schedule, pictures, cost model and measured results. chapter 04
 - rendezvous: fresh rendezvous files, a simulated two-node job, listening sockets.  chapter 05
