@@ -431,8 +431,10 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
     if not again:
         return ("the backward made no all-gather: the gather not redone for backward - autograd computed with a "
                 "unit that was never gathered again (unpack must all-gather it)")
-    if alive_outputs(backward):
-        return (f"after the backward {len(alive_outputs(backward))} units gathered for backward are still alive: "
+    left = len(alive_outputs(backward))
+    if left:
+        return (f"after the backward {left} unit{'s' if left > 1 else ''} gathered for backward "
+                f"{'are' if left > 1 else 'is'} still alive: "
                 f"free the copy gathered for backward once its gradient is reduce-scattered (GatherUnit.backward)")
     sent = [c.dtype for c in reduce_scatters(backward)]
     if len(sent) < len(units):
