@@ -10,7 +10,8 @@ into one shard per rank (an fp32 nn.Parameter: the master weight). One step:
     backward:  gather it again where autograd needs it (a saved-tensor hook), once per unit, free it
                when done, and reduce-scatter the gradient of the gathered unit: each rank gets its
                shard's average
-    step:      any torch.optim optimizer on model.parameters(): this rank's shards
+    step:      an elementwise torch.optim optimizer (SGD, Adam, AdamW) on model.parameters(): this
+               rank's shards (clipping by a global norm, Adafactor and the like need the whole tensor)
 
 A parameter outside the units (a norm's gain) or held by two units (a tied weight) stays whole on every
 rank, its gradient averaged by finish_gradient_sync(), each Parameter once. With
