@@ -56,7 +56,7 @@ lab: $(SETUP) ## run your lab:       make lab CH=01 NPROC=4
 	@echo "torchrun --standalone --nproc-per-node $(NPROC) $(call chapter_file,labs)"
 	@$(PY) -m ringside $(NPROC) $(call chapter_file,labs)
 
-hint: $(SETUP) ## a hint for your first open TODO: make hint CH=04 (again: the next hint)
+hint: $(SETUP) ## a hint for your first open TODO, or after a FAIL the next step of its diagnosis: make hint CH=04
 	@$(PY) -m tools.labgen --hint $(CH)
 
 solution: $(SETUP) ## run the solution:  make solution CH=01 NPROC=4
