@@ -140,6 +140,9 @@ class Call(dict):
     def complete(self, how: str) -> None:
         if not self["completed"]:
             self["completed"], self["waited"], self["completed_by"] = True, True, how
+            # let go of the real work: its future holds what the call wrote (through the relay to
+            # the learner's future), which must be freed when the learner's code drops it
+            self["work"] = None
             notify = getattr(self, "_on_complete", None)
             if notify is not None:
                 notify(self)
