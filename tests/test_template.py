@@ -274,6 +274,7 @@ def sigterm_trial(out: Path, marker: str, delay: float, script: Path = SCRIPT,
     return status, "".join(output) + ("" if sent else f"\n(marker {marker!r} never printed)"), lingering
 
 
+@pytest.mark.timeout(900)  # 20 trials: about 15 s on an idle machine, minutes under a heavy load
 def test_sigterm_at_any_moment_saves_and_leaves_no_worker_behind(tmp_path):
     """SIGTERM to every process (as Slurm sends it) at 20 moments drawn from a fixed seed across the
     phases of training: at the start (while the first loader workers fork), at epoch boundaries

@@ -110,9 +110,6 @@ CORRECT = [
             "                dist.recv(gather_list[peer], src=peer)\n",
             "        requests = [dist.irecv(gather_list[peer], src=peer) for peer in range(world_size) if peer != dst]\n"
             "        for request in requests:\n            request.wait()\n", 4),
-    # Tags are harmless here: each pair carries one message, so NCCL (which ignores them) matches alike
-    Variant("gather tags each message by its sender", "                dist.recv(gather_list[peer], src=peer)\n",
-            "                dist.recv(gather_list[peer], src=peer, tag=peer)\n", 3),
     Variant("broadcast's root isends to all, then waits on each",
             "        for peer in range(world_size):\n            if peer != src:\n"
             "                dist.send(tensor, dst=peer)\n",

@@ -226,7 +226,7 @@ MUTATIONS = [
     Mutation("only the pending list reset after a window",
              "        self.ready = [0] * len(self.buckets)\n        self.launched = 0\n        self.pending = []\n",
              "        self.pending = []\n",
-             "is all of its state reset after each window?"),
+             "is all of its state reset after each window"),
     Mutation("the last bucket dropped when it is not full", "    if current:\n        buckets.append(current)\n", "",
              "keep the one still being filled"),
 ]
