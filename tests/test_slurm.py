@@ -212,7 +212,9 @@ def wait_in_log(cluster: Cluster, log: Path, pattern: str, after: int = 0, timeo
         return cluster.wait_for(found, timeout, f"{pattern!r} in {log.name}")
     except TimeoutError as error:
         text = log.read_text(errors="replace") if log.exists() else "(no output yet)"
-        pytest.fail(f"{error}\n{text[-4000:]}\n{cluster.logs()}")
+        # the errors first: a traceback's last line is what a truncated report would lose
+        errors = "\n".join([line for line in text.splitlines() if re.search(r"\w+Error\b|error:", line)][-8:])
+        pytest.fail(f"{error}\nerrors in {log.name}:\n{errors}\n{text[-4000:]}\n{cluster.logs()}")
 
 
 def ended(cluster: Cluster, job: str, states: tuple[str, ...], timeout: float = DEADLINE) -> dict:
@@ -235,10 +237,13 @@ def timed_job(slurm, tmp_path_factory):
     """Submitted first, so that it runs while the other tests do: 2 FSDP processes at --time=4 with the
     script's defaults, which a real time limit stops; and the uninterrupted run it must end like."""
     folder = tmp_path_factory.mktemp("timed")
-    job, log = slurm.submit(folder / "run", 2, *TRAIN, *TIMED, "--step-delay", "8", minutes=4)
-    plain = launch(SCRIPT, 2, "--out", str(folder / "plain"), *TRAIN, *TIMED)
-    assert plain.returncode == 0, (plain.stdout + plain.stderr)[-3000:]
-    return job, log, folder
+    # The first job of this new cluster is job 1, whose rendezvous port would be 20001: another program
+    # listens there meanwhile, and the script must move past it (a busy port, not a failed job).
+    with socket.create_server(("127.0.0.1", 20001)):
+        job, log = slurm.submit(folder / "run", 2, *TRAIN, *TIMED, "--step-delay", "8", minutes=4)
+        plain = launch(SCRIPT, 2, "--out", str(folder / "plain"), *TRAIN, *TIMED)
+        assert plain.returncode == 0, (plain.stdout + plain.stderr)[-3000:]
+        yield job, log, folder
 
 
 @pytest.mark.timeout(1500)  # Slurm jobs with requeues, on a machine that may be loaded
@@ -292,6 +297,8 @@ def test_an_fsdp_job_at_a_short_time_limit_saves_requeues_and_ends_bit_for_bit(s
     training, which saves its shards; the job requeues itself, resumes from that checkpoint, and
     ends COMPLETED with the uninterrupted run's weights, bit for bit."""
     job, log, folder = timed_job
+    assert job == "1", "the timed job must be the new cluster's first: the test holds job 1's port"
+    wait_in_log(slurm, log, r"port 20001 is in use on \S+: trying 20002")
     wait_in_log(slurm, log, r"--time is 240 s, less than twice SAVE_MARGIN=300: saving at half of it, 120 s "
                             r"before the limit")
     saved = wait_in_log(slurm, log, r"SIGUSR1: saved (\S+) at step (\d+)")
