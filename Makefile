@@ -175,8 +175,9 @@ cluster: setup ## (root) N hosts in network namespaces, RATE links: make cluster
 cluster-down: ## (root) remove the simulated cluster
 	$(PY) -m tools.cluster down
 
-cluster-bench: setup ## (root) naive vs ring vs all_reduce on 2 and 4 hosts; writes assets/cluster/
-	$(PY) -m tools.cluster bench --rate $(RATE)
+HOSTS ?= 2,3,4
+cluster-bench: setup ## (root) naive vs ring vs all_reduce on 2, 3 and 4 hosts (HOSTS=2,3,4); writes assets/cluster/
+	$(PY) -m tools.cluster bench --rate $(RATE) --hosts $(HOSTS)
 
 cluster-overlap: setup ## (root) chapter 12: a DDP step with and without overlap on 2 hosts, RATE links; writes assets/cluster/overlap.json
 	$(PY) -m tools.overlap_bench --rate $(RATE)

@@ -40,12 +40,17 @@ def bus_bandwidth(n: int, size: float, seconds: float) -> float:
     return size / seconds * 2 * (n - 1) / n
 
 
-def load_ring():
-    """ring_all_reduce from the chapter's solution (one implementation, not a copy)."""
+def load_ring_module():
+    """The chapter's solution as a module (one implementation, not a copy); each call a new one."""
     spec = importlib.util.spec_from_file_location("ring_solution", SOLUTION)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.ring_all_reduce
+    return module
+
+
+def load_ring():
+    """ring_all_reduce from the chapter's solution."""
+    return load_ring_module().ring_all_reduce
 
 
 def repetitions(size: int, quick: bool) -> int:

@@ -226,6 +226,7 @@ def main(argv: list[str]) -> int:
     p_bench = sub.add_parser("bench", help="measure on 2 and 4 hosts; write assets/cluster/")
     p_bench.add_argument("--rate", default="1gbit")
     p_bench.add_argument("--sizes-mib", default="1,4,16,64")
+    p_bench.add_argument("--hosts", default="2,3,4", help="comma-separated host counts to measure")
     p_run = sub.add_parser("run", help="run a script with torchrun on every host")
     p_run.add_argument("--hosts", type=int, default=4)
     p_run.add_argument("--timeout", type=float, default=300)
@@ -245,7 +246,7 @@ def main(argv: list[str]) -> int:
             down()
             print("cluster down: no host left")
         elif opts.command == "bench":
-            return bench(opts.rate, opts.sizes_mib)
+            return bench(opts.rate, opts.sizes_mib, tuple(int(h) for h in opts.hosts.split(",")))
         elif opts.command == "status":
             print("\n".join(namespaces()) or "no cluster")
         else:
