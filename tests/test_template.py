@@ -974,3 +974,31 @@ def test_resume_at_another_number_of_processes_goes_on_and_says_what_changes(tmp
     assert "the data goes on from sample" in log and "not bit for bit" in log, log[-3000:]
     assert result["step"] == expected[-1][4] and result["world_size"] == 3 and result["count"] == 360, result
     assert result["accuracy"] >= 0.5, result  # it goes on learning (chance: 0.10)
+
+
+@pytest.mark.timeout(900)  # five FSDP runs one after the other
+def test_fsdp_at_one_process_and_on_two_nodes_of_two_resumes_bit_for_bit(tmp_path):
+    """--fsdp at 1 process, and at 4 as 2 nodes x 2 processes (RANK differs from LOCAL_RANK on node 1,
+    and each rank writes its own shard of the DCP checkpoint): each run resumed from its older kept
+    checkpoint ends with its uninterrupted run's weights, bit for bit; and 2 nodes x 2 train exactly
+    as 4 processes on one node."""
+    def run(out: Path, nproc: int, nnodes: int = 1) -> tuple[dict, str]:
+        done = launch(SCRIPT, nproc, "--out", str(out), *TINY, *FSDP_ARGS, "--workers", "0", nnodes=nnodes)
+        log = done.stdout + done.stderr
+        assert done.returncode == 0, log[-4000:]
+        return json.loads((out / "result.json").read_text()), log
+
+    for name, nproc, nnodes in (("one", 1, 1), ("nodes", 2, 2)):
+        plain, log = run(tmp_path / name, nproc, nnodes)
+        assert plain["step"] == 30 and plain["world_size"] == nproc * nnodes, plain
+        resumed_out = tmp_path / f"{name}-resumed"
+        resumed_out.mkdir()
+        oldest = min((tmp_path / name).glob("checkpoint-*"))  # --keep 2: at 4 processes, an epoch's end is one
+        shutil.copytree(oldest, resumed_out / oldest.name)
+        resumed, log = run(resumed_out, nproc, nnodes)
+        assert f"at step {t_load_step(oldest)} " in log and t_load_step(oldest) < 30 and resumed["step"] == 30, log[-3000:]
+        assert resumed["weights_sha256"] == plain["weights_sha256"], f"FSDP at {nnodes} x {nproc}: not bit for bit"
+        if nnodes == 2:
+            one_node, _ = run(tmp_path / "one-node", 4)
+            assert one_node["weights_sha256"] == plain["weights_sha256"], "2 nodes x 2 != 4 processes on one node"
+        no_temporary_files(resumed_out)
