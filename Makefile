@@ -141,7 +141,8 @@ HUB_CPUS ?= 1
 HUB_MEMORY_GB ?= 3
 .PHONY: hub hub-down room hub-test progress
 hub: setup $(VENV)/.hub-ready ## (root) a workshop room: JupyterHub for LEARNERS="a b ..." on 127.0.0.1:HUB_PORT
-	$(PY) -m tools.hub up --learners "$(LEARNERS)" --port $(HUB_PORT) --cpus $(HUB_CPUS) --memory-gb $(HUB_MEMORY_GB)
+	$(PY) -m tools.hub up --learners "$(LEARNERS)" --port $(HUB_PORT) --cpus $(HUB_CPUS) --memory-gb $(HUB_MEMORY_GB) \
+	    $(if $(PASSWORD),--password "$(PASSWORD)")
 
 hub-down: ## (root) stop the hub; remove its learners, their cgroups and files
 	$(PY) -m tools.hub down
