@@ -79,6 +79,10 @@ class Cluster:
             if name.startswith("SLURM_") and name != "SLURM_CONF":
                 del self.env[name]
         self.procs: list[subprocess.Popen] = []
+        # Each pytest-xdist worker that runs these tests starts a cluster of its own, on one machine; the
+        # sbatch derives its rendezvous port from the job id, so the clusters number their jobs apart.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        self.first_job = 1 + 100 * (int(worker) if worker.isdigit() else 0)
 
     def start(self) -> None:
         d = self.dir
@@ -96,6 +100,7 @@ class Cluster:
         cpus = re.search(r"CPUs=(\d+)", probe.stdout)
         (d / "slurm.conf").write_text(f"""\
 ClusterName=ringside
+FirstJobId={self.first_job}
 SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
@@ -237,9 +242,9 @@ def timed_job(slurm, tmp_path_factory):
     """Submitted first, so that it runs while the other tests do: 2 FSDP processes at --time=4 with the
     script's defaults, which a real time limit stops; and the uninterrupted run it must end like."""
     folder = tmp_path_factory.mktemp("timed")
-    # The first job of this new cluster is job 1, whose rendezvous port would be 20001: another program
-    # listens there meanwhile, and the script must move past it (a busy port, not a failed job).
-    with socket.create_server(("127.0.0.1", 20001)):
+    # The first job of this new cluster: another program listens on the rendezvous port that the sbatch
+    # derives from its id meanwhile, and the script must take another (a busy port, not a failed job).
+    with socket.create_server(("127.0.0.1", 20000 + slurm.first_job)):
         job, log = slurm.submit(folder / "run", 2, *TRAIN, *TIMED, "--step-delay", "8", minutes=4)
         plain = launch(SCRIPT, 2, "--out", str(folder / "plain"), *TRAIN, *TIMED)
         assert plain.returncode == 0, (plain.stdout + plain.stderr)[-3000:]
@@ -297,8 +302,8 @@ def test_an_fsdp_job_at_a_short_time_limit_saves_requeues_and_ends_bit_for_bit(s
     training, which saves its shards; the job requeues itself, resumes from that checkpoint, and
     ends COMPLETED with the uninterrupted run's weights, bit for bit."""
     job, log, folder = timed_job
-    assert job == "1", "the timed job must be the new cluster's first: the test holds job 1's port"
-    wait_in_log(slurm, log, r"port 20001 is in use on \S+: trying 20002")
+    assert job == str(slurm.first_job), "the timed job must be the new cluster's first: the test holds its port"
+    wait_in_log(slurm, log, rf"port {20000 + slurm.first_job} is in use on \S+: using \d+, a free one")
     wait_in_log(slurm, log, r"--time is 240 s, less than twice SAVE_MARGIN=300: saving at half of it, 120 s "
                             r"before the limit")
     saved = wait_in_log(slurm, log, r"SIGUSR1: saved (\S+) at step (\d+)")
