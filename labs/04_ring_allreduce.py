@@ -68,7 +68,10 @@ def average_gradients(model: nn.Module) -> None:
     world_size = dist.get_world_size()
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen parameters have no gradient
     for p in trained:
-        if p.grad is None:  # unused in this forward: it counts as zeros (DDP's find_unused_parameters)
+        # unused in this forward: zeros, so that every rank sends a buffer of the same layout. (DDP with
+        # find_unused_parameters=True counts it as zeros too where another rank used it, but leaves
+        # a parameter that no rank used at None; lab 12 does that.)
+        if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in trained]
     # (stuck? `make hint CH=04` prints hint 1 of 2; run it again for the next)
