@@ -4,7 +4,7 @@
     fork_processes(fn, n)              fn on N processes with no group (chapter 05: joining is the lesson)
     torchrun_script(script, nproc)     a script under torchrun, from a cell or a test; a failing job fails
     torchrun_nodes(commands)           several torchruns at once, one per node (chapter 05, the cluster)
-    fork_script(script, nproc)         the same script on N ranks forked from a test (no torch import each)
+    fork_script(script, nproc)         a script on N ranks forked by the rank starter (tests' fast path)
     torchrun_command(script, nproc)    the torchrun command line that all of these (and tools/) use
 
 Why not `torch.multiprocessing.spawn` from a notebook? Spawn pickles the function by name and cannot
@@ -251,7 +251,7 @@ def _serve() -> None:
     torch.set_num_threads(1)
     # Imported once here and inherited by every rank: DDP's first use imports torch._dynamo
     # (seconds of CPU per rank otherwise), and the course's data sets come from scikit-learn.
-    for name in ("torch.distributed", "torch._dynamo", "sklearn.datasets"):
+    for name in ("torch.distributed", "torch._dynamo", "sklearn.datasets", "matplotlib.figure"):
         try:
             importlib.import_module(name)
         except ImportError:
@@ -264,9 +264,8 @@ def _serve() -> None:
         try:
             path, job = pickle.loads(blob)
             sys.path[:] = path + [p for p in sys.path if p not in path]
-            if isinstance(job, bytes):
-                job = pickle.loads(job)  # the function, unpickled only once sys.path is the caller's
-            reply = ("reports", _fork_and_collect(**job))
+            function, kwargs = pickle.loads(job)  # unpickled only once sys.path is the caller's
+            reply = ("reports", function(**kwargs))
         except Exception:
             reply = ("error", traceback.format_exc())
         replies.send_bytes(pickle.dumps(reply))
@@ -323,17 +322,23 @@ def _run_job(job: dict, timeout: float) -> dict[int, tuple[str, Any, str]]:
                                "it: install cloudpickle (pip install cloudpickle) or restart the kernel.")
         importlib.import_module("torch._dynamo")
         return _fork_and_collect(**job)
+    return _in_starter(_fork_and_collect, job, timeout, on_timeout=RanksTimeout(list(range(job["n"])), timeout, {}))
+
+
+def _in_starter(function: Callable[..., Any], kwargs: dict, timeout: float, on_timeout: BaseException) -> Any:
+    """function(**kwargs), run in the rank starter; `on_timeout` is raised (and the starter stopped)
+    if no answer came within `timeout` seconds plus a margin for the starter's first start."""
     starter = _Starter.get()
     try:
         starter.requests.send_bytes(pickle.dumps(([p for p in sys.path if isinstance(p, str)],
-                                                  cloudpickle.dumps(job))))
-        # The starter enforces `timeout` itself; this backstop also covers its first start.
+                                                  cloudpickle.dumps((function, kwargs)))))
+        # `function` enforces `timeout` itself; this backstop also covers the starter's first start.
         if not starter.replies.poll(timeout + 120):
             starter.stop()
-            raise RanksTimeout(list(range(job["n"])), timeout, {})
+            raise on_timeout
         kind, reply = pickle.loads(starter.replies.recv_bytes())
-    except BaseException:  # interrupted by the learner, or the starter died: start afresh next time
-        if not isinstance(sys.exc_info()[1], RanksTimeout):
+    except BaseException as error:  # interrupted by the learner, or the starter died: start afresh next time
+        if error is not on_timeout:
             starter.stop()
         raise
     if kind == "error":
@@ -509,45 +514,62 @@ def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, e
 
 def fork_script(script: str | Path, nproc: int, *args: str, timeout: float = 120,
                 env: dict[str, str] | None = None, nnodes: int = 1) -> subprocess.CompletedProcess:
-    """Like `torchrun --standalone --nproc-per-node nproc script args`, by forking this process:
-    every rank's output (rank 0 first), and status 1 if any rank failed (as torchrun does).
+    """Like `torchrun --standalone --nproc-per-node nproc script args`, on ranks forked from the rank
+    starter: every rank's output (rank 0 first), and status 1 if any rank failed (as torchrun does).
     nnodes > 1: `nproc` ranks on each of `nnodes` simulated nodes, numbered as torchrun numbers a
     multi-node job (RANK = node x nproc + LOCAL_RANK), so RANK and LOCAL_RANK differ from node 1 on.
 
     A torchrun launch costs one `import torch` per rank (about 2 s of CPU each); forked ranks start
     in milliseconds with the same variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), so the
-    script cannot tell the difference. The caller must not have used OpenMP threads, CUDA, autograd
-    or a process group before. Raises subprocess.TimeoutExpired if ranks still run after `timeout`."""
+    script cannot tell the difference. They are forked from the rank starter, not from the caller: a
+    test process has threads (pytest-xdist's, a store's, a group's) and state that a fork copies
+    half-made; a rank forked from one died in CI with a fatal Python error. The ranks get the caller's
+    environment and working directory. Raises subprocess.TimeoutExpired if ranks still run after
+    `timeout`."""
     with reserved_port() as port:
-        return _fork_script(script, nproc, args, timeout, env, port, nnodes)
+        job = dict(script=str(script), per_node=nproc, args=[str(a) for a in args], timeout=timeout,
+                   environ=dict(os.environ), env=env or {}, cwd=os.getcwd(), port=port, nnodes=nnodes)
+        if cloudpickle is None:
+            codes, stdout, stderr = _fork_script(**job)
+        else:
+            late = subprocess.TimeoutExpired([str(script)], timeout, output="the rank starter did not answer")
+            codes, stdout, stderr = _in_starter(_fork_script, job, timeout, on_timeout=late)
+    if None in codes:
+        running = [r for r, c in enumerate(codes) if c is None]
+        raise subprocess.TimeoutExpired([str(script)], timeout, output=f"ranks {running} still running\n{stdout}")
+    return subprocess.CompletedProcess([str(script), *args], 0 if all(c == 0 for c in codes) else 1, stdout, stderr)
 
 
-def _fork_script(script, per_node, args, timeout, env, port, nnodes=1) -> subprocess.CompletedProcess:
+def _fork_script(script, per_node, args, timeout, environ, env, cwd, port,
+                 nnodes=1) -> tuple[list[int | None], str, str]:
+    """In the rank starter: fork the ranks, wait for them; (exit codes, None for a rank killed at the
+    deadline; every rank's stdout; every rank's stderr). A rank's environment is the caller's
+    (`environ`), torchrun's variables, then `env`."""
     workdir = tempfile.mkdtemp(prefix="ringside-fork-")
     nproc = per_node * nnodes
     shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(per_node), "ROLE_WORLD_SIZE": str(nproc),
               "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-              "TORCHELASTIC_RUN_ID": "fork", "OMP_NUM_THREADS": "1", **(env or {})}
+              "TORCHELASTIC_RUN_ID": "fork", "OMP_NUM_THREADS": "1", **env}
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
     for rank in range(nproc):
         node, local = divmod(rank, per_node)
-        rank_env = dict(shared, RANK=str(rank), LOCAL_RANK=str(local), ROLE_RANK=str(rank), GROUP_RANK=str(node))
+        rank_env = {**environ, **shared, "RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank),
+                    "GROUP_RANK": str(node)}
         pid = os.fork()
         if pid == 0:
-            _script_rank(Path(script), list(map(str, args)), rank_env, f"{workdir}/{rank}.out", f"{workdir}/{rank}.err")
+            os.environ.clear()  # the starter's environment is the one it started with, not the caller's now
+            os.chdir(cwd)
+            _script_rank(Path(script), list(args), rank_env, f"{workdir}/{rank}.out", f"{workdir}/{rank}.err")
         pids.append(pid)
     codes = _wait_pids(pids, timeout)
     read = lambda path: Path(path).read_text(errors="replace") if Path(path).exists() else ""  # noqa: E731
     stdout = "".join(read(f"{workdir}/{r}.out") for r in range(nproc))
     stderr = "".join(read(f"{workdir}/{r}.err") for r in range(nproc))
     shutil.rmtree(workdir, ignore_errors=True)
-    if None in codes:
-        running = [r for r, c in enumerate(codes) if c is None]
-        raise subprocess.TimeoutExpired([str(script)], timeout, output=f"ranks {running} still running\n{stdout}")
-    return subprocess.CompletedProcess([str(script), *args], 0 if all(c == 0 for c in codes) else 1, stdout, stderr)
+    return codes, stdout, stderr
 
 
 def _wait_pids(pids: list[int], timeout: float) -> list[int | None]:
