@@ -26,6 +26,7 @@ import pwd
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -161,6 +162,35 @@ def closed_to_learners(path: Path) -> list[str]:
     return closed
 
 
+def open_passage(folders: list[str]) -> None:
+    """Let other users pass through (o+x, not list) these folders until `down`, which puts their
+    modes back: they are written down first, so an interrupted run loses nothing `make hub-down`
+    cannot restore."""
+    HUB_DIR.mkdir(parents=True, exist_ok=True)
+    os.chmod(HUB_DIR, 0o700)
+    record = HUB_DIR / "opened.json"
+    modes = json.loads(record.read_text()) if record.exists() else {}
+    for folder in folders:
+        modes.setdefault(folder, stat.S_IMODE(os.stat(folder).st_mode))
+    record.write_text(json.dumps(modes, indent=1))
+    for folder in folders:
+        os.chmod(folder, modes[folder] | 0o001)
+
+
+def close_passages() -> list[str]:
+    """Put back the modes `open_passage` changed; what was restored, in words."""
+    record = HUB_DIR / "opened.json"
+    if not record.exists():
+        return []
+    done = []
+    for folder, mode in json.loads(record.read_text()).items():
+        if os.path.isdir(folder):
+            os.chmod(folder, mode)
+            done.append(f"put {folder} back to mode {mode:o}")
+    record.unlink()
+    return done
+
+
 def up(learners: list[str], password: str | None, port: int, limits: dict) -> dict:
     reason = why_not()
     if reason:
@@ -219,7 +249,8 @@ def hub_pid() -> int | None:
 
 
 def down() -> list[str]:
-    """Stop everything `up` started and remove everything it made; what was removed, in words."""
+    """Stop everything `up` started, remove everything it made, put back the folder modes
+    `open_passage` changed; what was done, in words."""
     reason = why_not()
     if reason:
         raise HubError(reason)
@@ -233,7 +264,7 @@ def down() -> list[str]:
             time.sleep(0.2)
         else:
             os.killpg(pid, signal.SIGKILL)
-        done.append("the hub and its proxy")
+        done.append("stopped the hub and its proxy")
     learners = json.loads(state_file().read_text())["learners"] if state_file().exists() else []
     learners += [u.pw_name for u in pwd.getpwall() if ours(u.pw_name) and u.pw_name not in learners]
     for login in learners:
@@ -249,10 +280,11 @@ def down() -> list[str]:
                 time.sleep(0.2)
             else:
                 raise HubError(f"could not remove the user {login}")
-            done.append(f"user {login}")
+            done.append(f"removed user {login}")
+    done += close_passages()
     if HUB_DIR.exists():
         shutil.rmtree(HUB_DIR)
-        done.append(str(HUB_DIR))
+        done.append(f"removed {HUB_DIR}")
     return done
 
 
@@ -287,7 +319,7 @@ def main(argv: list[str]) -> int:
                   f"`make room` shows who passed what; `make hub-down` removes it all")
         elif opts.command == "down":
             removed = down()
-            print("hub down: removed " + (", ".join(removed) if removed else "nothing (no hub)"))
+            print("hub down: " + (", ".join(removed) if removed else "nothing to remove (no hub)"))
             left = leftovers()
             if left:
                 print("still there: " + ", ".join(left), file=sys.stderr)

@@ -60,26 +60,23 @@ TERMINAL_RUN = """async ([command, marker, timeout]) => {
 }"""
 
 
+OPENED: list[str] = []  # the folders the room opened to learners (o+x): closed again by hub.down()
+
+
 @pytest.fixture(scope="module")
 def room():
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install -y chromium")
     hub.down()
-    closed = hub.closed_to_learners(Path(sys.executable))
-    opened = []
-    for folder in closed:  # e.g. /root, where this machine's Python lives: passage only, restored after
-        mode = os.stat(folder).st_mode
-        os.chmod(folder, mode | 0o001)
-        opened.append((folder, mode))
+    # e.g. /root, where this machine's Python lives: passage only; hub.down() (or, after an
+    # interrupted run, make hub-down) puts the modes back
+    OPENED[:] = hub.closed_to_learners(Path(sys.executable))
+    hub.open_passage(OPENED)
     try:
         settings = hub.up(LEARNERS, PASSWORD, PORT, hub.LIMITS)
         yield settings
     finally:
-        try:
-            hub.down()
-        finally:
-            for folder, mode in opened:
-                os.chmod(folder, mode)
+        hub.down()
 
 
 async def learner(browser, name: str, times: dict) -> list[str]:
@@ -171,4 +168,5 @@ def test_hub_down_leaves_nothing(room):
     """Runs after the room (file order); the fixture's own teardown runs down() once more."""
     hub.down()
     assert hub.leftovers() == [], hub.leftovers()
+    assert hub.closed_to_learners(Path(sys.executable)) == OPENED, "a folder opened for the room stayed open"
     assert not any(line.split(":")[0] in LEARNERS for line in Path("/etc/passwd").read_text().splitlines())
