@@ -79,11 +79,14 @@ jupyter: setup ## open the course in JupyterLab on 127.0.0.1 (PORT=8888)
 # The workshop in a real browser (tests/ui/): JupyterLab driven by Playwright in Debian's Chromium
 # (/usr/bin/chromium; Playwright's own browser download is not used). NB="a.ipynb ..." tests those
 # notebooks instead of chapters/*.ipynb. Minutes, so it is not part of `make test`.
+# UI_WORKERS: notebooks run side by side, each worker with its own JupyterLab and Chromium (two halve
+# the wait on a 2-core box: much of a notebook's time is ranks waiting on a timeout or on each other).
+UI_WORKERS ?= 2
 .PHONY: ui-test
 ui-test: setup $(VENV)/.ui-ready ## run every chapter in JupyterLab in Chromium (NB=... picks notebooks)
 	@test -x /usr/bin/chromium || { echo "make ui-test needs Debian's Chromium: sudo apt-get install -y chromium"; exit 2; }
 	@start=$$(date +%s); \
-	NB="$(NB)" $(PY) -m pytest -q -rs -p no:randomly tests/ui/ui_test_workshop.py; status=$$?; \
+	NB="$(NB)" $(PY) -m pytest -q -rs -p no:randomly -n $(UI_WORKERS) tests/ui/ui_test_workshop.py; status=$$?; \
 	echo "make ui-test: total $$(( $$(date +%s) - start )) s"; exit $$status
 
 $(VENV)/.ui-ready: requirements-ui.txt $(VENV)/.ready

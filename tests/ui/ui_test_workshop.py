@@ -58,7 +58,6 @@ def chapter_notebooks() -> list[Path]:
 
 
 NOTEBOOKS = chapter_notebooks()
-TIMINGS: dict[str, str] = {}
 
 
 # --- The JupyterLab server ------------------------------------------------------------------------
@@ -187,26 +186,6 @@ def browser():
                                               headless=True, timeout=60_000)
         yield chromium
         chromium.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_timings(request):
-    yield
-    if not TIMINGS:
-        return
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    lines = [f"[ui] in JupyterLab (Chromium) on {os.cpu_count()} cores, load average now {load};"
-             " per notebook: open = page load + kernel start, run = Clear Outputs + Run All until idle"]
-    lines += [f"[ui]   {name}: {line}" for name, line in TIMINGS.items()]
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    (SCREENSHOTS / "timings.txt").write_text("\n".join(lines) + "\n")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter and capture:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line("")
-            for line in lines:
-                reporter.write_line(line)
 
 
 # --- What runs in the page ------------------------------------------------------------------------
@@ -361,7 +340,7 @@ def try_sliders(page, cell_index: int) -> tuple[list[str], list[str]]:
 
 @pytest.mark.timeout(PAGE_TIMEOUT + RUN_ALL_TIMEOUT + 240)
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_in_jupyterlab(notebook: Path, lab: Lab, browser):
+def test_notebook_in_jupyterlab(notebook: Path, lab: Lab, browser, record_property):
     name = notebook.name
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
@@ -418,10 +397,11 @@ def test_notebook_in_jupyterlab(notebook: Path, lab: Lab, browser):
                 redraws += [f"cell {index + 1}: {move}" for move in changed]
 
         controls = sum(c["controls"] for c in cells)
-        TIMINGS[name] = (f"open {opened:.0f} s, run {seconds:.0f} s, {len(cells)} code cells, "
-                         f"{controls} widget controls, {len(slider_cells)} slider cells"
-                         + (f" (figure redrawn: {'; '.join(redraws)})" if redraws else "")
-                         + (" - FAILED" if problems else ""))
+        # reported at the end by tests/ui/conftest.py (also from pytest-xdist's workers)
+        record_property("ui", f"{name}: open {opened:.0f} s, run {seconds:.0f} s, {len(cells)} code cells, "
+                              f"{controls} widget controls, {len(slider_cells)} slider cells"
+                              + (f" (figure redrawn: {'; '.join(redraws)})" if redraws else "")
+                              + (" - FAILED" if problems else ""))
         if problems:
             SCREENSHOTS.mkdir(parents=True, exist_ok=True)
             if bad:  # show the first cell that went wrong
