@@ -86,7 +86,7 @@ UI_WORKERS ?= 2
 ui-test: setup $(VENV)/.ui-ready ## run every chapter in JupyterLab in Chromium (NB=... picks notebooks)
 	@test -x /usr/bin/chromium || { echo "make ui-test needs Debian's Chromium: sudo apt-get install -y chromium"; exit 2; }
 	@start=$$(date +%s); \
-	NB="$(NB)" $(PY) -m pytest -q -rs -p no:randomly -n $(UI_WORKERS) tests/ui/ui_test_workshop.py; status=$$?; \
+	NB="$(NB)" $(PY) -m pytest -q -rs -p no:randomly -p tools.pytest_ui_report -n $(UI_WORKERS) tests/ui/ui_test_workshop.py; status=$$?; \
 	echo "make ui-test: total $$(( $$(date +%s) - start )) s"; exit $$status
 
 $(VENV)/.ui-ready: requirements-ui.txt $(VENV)/.ready

@@ -397,7 +397,7 @@ def test_notebook_in_jupyterlab(notebook: Path, lab: Lab, browser, record_proper
                 redraws += [f"cell {index + 1}: {move}" for move in changed]
 
         controls = sum(c["controls"] for c in cells)
-        # reported at the end by tests/ui/conftest.py (also from pytest-xdist's workers)
+        # reported at the end by tools/pytest_ui_report.py (also from pytest-xdist's workers)
         record_property("ui", f"{name}: open {opened:.0f} s, run {seconds:.0f} s, {len(cells)} code cells, "
                               f"{controls} widget controls, {len(slider_cells)} slider cells"
                               + (f" (figure redrawn: {'; '.join(redraws)})" if redraws else "")

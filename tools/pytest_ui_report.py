@@ -1,6 +1,8 @@
-"""make ui-test's report: every notebook's times, printed once after the run and saved to
-runs/ui/timings.txt. Each test records its line (record_property), which reaches the process that
-prints the summary also when pytest-xdist runs the notebooks side by side."""
+"""make ui-test's report (a pytest plugin: -p tools.pytest_ui_report): every notebook's times, printed
+once after the run and saved to runs/ui/timings.txt. Each test records its line (record_property),
+which reaches the process that prints the summary also when pytest-xdist runs the notebooks side by
+side. Not a tests/ui/conftest.py: a second module named conftest would shadow tests/conftest.py for
+the tests that import from it."""
 
 from __future__ import annotations
 
