@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-TIMINGS = Path(__file__).resolve().parents[2] / "runs" / "ui" / "timings.txt"
+TIMINGS = Path(__file__).resolve().parents[1] / "runs" / "ui" / "timings.txt"  # the course folder's
 
 
 def pytest_terminal_summary(terminalreporter, config) -> None:
