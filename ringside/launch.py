@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
@@ -328,6 +329,14 @@ def _run_job(job: dict, timeout: float) -> dict[int, tuple[str, Any, str]]:
 def _in_starter(function: Callable[..., Any], kwargs: dict, timeout: float, on_timeout: BaseException) -> Any:
     """function(**kwargs), run in the rank starter; `on_timeout` is raised (and the starter stopped)
     if no answer came within `timeout` seconds plus a margin for the starter's first start."""
+    with _STARTER_LOCK:  # one job at a time on its pipe, even from several threads
+        return _in_starter_locked(function, kwargs, timeout, on_timeout)
+
+
+_STARTER_LOCK = threading.Lock()
+
+
+def _in_starter_locked(function: Callable[..., Any], kwargs: dict, timeout: float, on_timeout: BaseException) -> Any:
     starter = _Starter.get()
     try:
         starter.requests.send_bytes(pickle.dumps(([p for p in sys.path if isinstance(p, str)],

@@ -126,3 +126,26 @@ def test_a_reserved_port_goes_to_no_other_bind_yet_a_store_can_serve_on_it():
             store.set("key", "value")
             assert store.get("key") == b"value"
             del store
+
+
+def test_fork_script_from_two_threads_at_once_gives_each_its_own_ranks(tmp_path):
+    """The rank starter serves one job at a time on its pipe: two threads of one process that call
+    fork_script together each get their own ranks' output, not the other's."""
+    import threading
+
+    from ringside.launch import fork_script
+
+    script = tmp_path / "say.py"
+    script.write_text("import os, sys\nprint(sys.argv[1], os.environ['RANK'], os.environ['WORLD_SIZE'])\n")
+    results = {}
+
+    def run(word: str, n: int) -> None:
+        results[word] = fork_script(script, n, word, timeout=60)
+
+    threads = [threading.Thread(target=run, args=(word, n)) for word, n in (("left", 2), ("right", 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(results["left"].stdout.split("\n")[:2]) == ["left 0 2", "left 1 2"], results["left"]
+    assert sorted(results["right"].stdout.split("\n")[:3]) == ["right 0 3", "right 1 3", "right 2 3"], results["right"]
