@@ -53,7 +53,7 @@ $(VENV)/.ready: requirements.txt pyproject.toml
 
 lab: $(SETUP) ## run your lab:       make lab CH=01 NPROC=4
 	@test -n "$(call chapter_file,labs)" || { echo "no lab for chapter $(CH) in labs/"; exit 2; }
-	@echo "torchrun --standalone --nproc-per-node $(NPROC) $(call chapter_file,labs)"
+	@echo "$(call chapter_file,labs) on $(NPROC) ranks, as torchrun --standalone --nproc-per-node $(NPROC) starts them"
 	@$(PY) -m ringside $(NPROC) $(call chapter_file,labs)
 
 hint: $(SETUP) ## a hint for your first open TODO, or after a FAIL the next step of its diagnosis: make hint CH=04
@@ -61,7 +61,7 @@ hint: $(SETUP) ## a hint for your first open TODO, or after a FAIL the next step
 
 solution: $(SETUP) ## run the solution:  make solution CH=01 NPROC=4
 	@test -n "$(call chapter_file,solutions)" || { echo "no solution for chapter $(CH)"; exit 2; }
-	@echo "torchrun --standalone --nproc-per-node $(NPROC) $(call chapter_file,solutions)"
+	@echo "$(call chapter_file,solutions) on $(NPROC) ranks, as torchrun --standalone --nproc-per-node $(NPROC) starts them"
 	@$(PY) -m ringside $(NPROC) $(call chapter_file,solutions)
 
 # JUPYTER_PATH puts the .venv's kernel first, so "Python 3" is the course's Python even where a

@@ -8,8 +8,8 @@ Each module says in its docstring which chapter explains what it does.
 - launch:     the one way the course starts processes: `run_ranks` (ranks from a notebook cell),
               `fork_processes`, `torchrun_script`, `torchrun_nodes`, `fork_script`, and
               `torchrun_command` under all the torchrun ones.                  chapter 00
-- __main__:   `python -m ringside NPROC SCRIPT`, what `make lab` runs: torchrun with the lab's
-              verdict as the last word on screen.                               every lab
+- __main__:   `python -m ringside NPROC SCRIPT`, what `make lab` runs: the script's ranks as
+              torchrun starts them, forked after one `import torch`.            every lab
 - lab:        the labs' self-check (`run_lab`, `Checks`).                       every lab
 - progress:   every learner's lab verdicts, for `make progress` and a workshop hub's `make room`.
 - compare:    tensors compared with a stated tolerance, and a one-line reason when they differ.
@@ -17,7 +17,7 @@ Each module says in its docstring which chapter explains what it does.
               (`Recorder`, `lab_namespaces`) for every lab check; `DryRun` rehearses with nothing sent.
 - standin:    a stand-in GPU whose random generator has its own state (`StandInGPU`), so a
               check on a CPU judges what a GPU run would leave behind.           labs 08, 10
-- data:       data sets that need no download (scikit-learn's digits, a seeded regression).
+- data:       data sets that need no download (scikit-learn's digits file, a seeded regression).
 - ring:       the ring all-reduce's schedule, pictures, cost model and measured results. chapter 04
 - rendezvous: fresh rendezvous files, a simulated two-node job, listening sockets.  chapter 05
 - syncbn:     synchronized BatchNorm for the capstone's CPU runs.                chapters 07, 11

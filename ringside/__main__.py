@@ -1,15 +1,58 @@
 """`python -m ringside NPROC SCRIPT [ARGS...]`: what `make lab` and `make solution` run.
 
-torchrun on NPROC local ranks, for a person at a terminal: every rank's output as it comes, and
-the lab's verdict as the last thing on screen (run_for_learner)."""
+The script runs on NPROC ranks exactly as `torchrun --standalone --nproc-per-node NPROC SCRIPT` would
+run it (the same variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...; exit status 0 only when
+every rank exits 0), but the ranks are forked from this one process after it imported torch once.
+torchrun starts NPROC + 1 fresh Pythons that each import torch (2 s of CPU apiece, 4 s once DDP
+imports torch._dynamo): at 4 ranks on a laptop's 2 cores that was half of the wait for a verdict,
+and a learner runs a lab ten or twenty times. Every rank's output shows as it comes.
+
+RINGSIDE_LAUNCH=torchrun runs the real torchrun instead (what a cluster runs; its own log lines
+and failure report are filtered out, so that the lab's verdict is the last thing on screen)."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from .launch import quiet_env, torchrun_command
+from .launch import PREIMPORTS, _wait_pids, fork_script_ranks, preimport, quiet_env, reserved_port, torchrun_command
+
+# A lab's checks bound every collective; this only ends a job that hangs outside them.
+TIMEOUT = float(os.environ.get("RINGSIDE_TIMEOUT", 900))
+
+
+def own_clone_env(script: str) -> dict[str, str]:
+    """The job's environment, with the script's own clone first on the ranks' path (REVIEW D.8): a
+    .venv shared by several clones has `checks` and `ringside` installed from whichever clone ran
+    `make setup` last, and a lab would silently import that clone's check."""
+    root = Path(script).resolve().parent.parent
+    if not (root / "checks").is_dir():
+        return quiet_env()
+    return quiet_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+
+
+def run_forked(script: str, nproc: int, *args: str, timeout: float = TIMEOUT) -> int:
+    """The ranks forked from this process (see the module's docstring); torchrun's exit status."""
+    env = own_clone_env(script)
+    # A rank's path as under torchrun: the script's folder (set in the rank), then PYTHONPATH's clone
+    sys.path[1:1] = env.get("PYTHONPATH", "").split(os.pathsep)[:1]
+    preimport(*PREIMPORTS)
+    with reserved_port() as port:
+        pids = fork_script_ranks(script, nproc, args, env, {}, os.getcwd(), port)
+    try:
+        codes = _wait_pids(pids, timeout)
+    except KeyboardInterrupt:  # Ctrl-C reached every rank too (one process group): end them
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return 130
+    if None in codes:
+        print(f"{script}: ranks still running after {timeout:g} s (a hang?) were killed", file=sys.stderr)
+    return 0 if all(code == 0 for code in codes) else 1
 
 
 def _agent_noise(line: str) -> bool:
@@ -42,22 +85,12 @@ def _filter_stderr(stream, held: list[str], refused: list[str]) -> None:
     sys.stderr.write("".join(block))
 
 
-def own_clone_env(script: str) -> dict[str, str]:
-    """The job's environment, with the script's own clone first on the ranks' path (REVIEW D.8): a
-    .venv shared by several clones has `checks` and `ringside` installed from whichever clone ran
-    `make setup` last, and a lab would silently import that clone's check."""
-    root = Path(script).resolve().parent.parent
-    if not (root / "checks").is_dir():
-        return quiet_env()
-    return quiet_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
-
-
-def run_for_learner(script: str, nproc: int, *args: str) -> int:
-    """Run a lab under torchrun for a person at a terminal, every rank's output as it comes, so
-    that a lab's verdict is the last thing on screen: torchrun's own ChildFailedError traceback and
-    SIGTERM warnings after a lab that reported (55 lines that make a clear verdict look like a
-    crash) are dropped, and so are they after a lab's one-line refusal of the world size. A lab that
-    crashed before it could report keeps them."""
+def run_under_torchrun(script: str, nproc: int, *args: str) -> int:
+    """The real torchrun, every rank's output as it comes, so that a lab's verdict is the last thing
+    on screen: torchrun's own ChildFailedError traceback and SIGTERM warnings after a lab that
+    reported (55 lines that make a clear verdict look like a crash) are dropped, and so are they
+    after a lab's one-line refusal of the world size. A lab that crashed before it could report
+    keeps them."""
     proc = subprocess.Popen(torchrun_command(script, nproc, *args, all_ranks=True), env=own_clone_env(script),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     held: list[str] = []
@@ -79,4 +112,5 @@ def run_for_learner(script: str, nproc: int, *args: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) < 3 or not sys.argv[1].isdigit():
         sys.exit("usage: python -m ringside NPROC SCRIPT [ARGS...]   (or: make lab CH=04 NPROC=4)")
-    sys.exit(run_for_learner(sys.argv[2], int(sys.argv[1]), *sys.argv[3:]))
+    run = run_under_torchrun if os.environ.get("RINGSIDE_LAUNCH") == "torchrun" else run_forked
+    sys.exit(run(sys.argv[2], int(sys.argv[1]), *sys.argv[3:]))

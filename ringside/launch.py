@@ -5,6 +5,7 @@
     torchrun_script(script, nproc)     a script under torchrun, from a cell or a test; a failing job fails
     torchrun_nodes(commands)           several torchruns at once, one per node (chapter 05, the cluster)
     fork_script(script, nproc)         a script on N ranks forked by the rank starter (tests' fast path)
+    fork_script_ranks(script, ...)     a script's ranks forked from this process (`make lab`, the starter)
     torchrun_command(script, nproc)    the torchrun command line that all of these (and tools/) use
 
 Why not `torch.multiprocessing.spawn` from a notebook? Spawn pickles the function by name and cannot
@@ -243,20 +244,28 @@ def start_rank_starter() -> None:
         _Starter.get()
 
 
-def _serve() -> None:
-    """Body of the rank starter: read jobs, fork their ranks, send back the reports."""
-    request_fd, reply_fd = map(int, os.environ.pop("RINGSIDE_STARTER_FDS").split(","))
-    requests, replies = Connection(request_fd, writable=False), Connection(reply_fd, readable=False)
+# Imported once by a process that forks ranks, and inherited by every rank: `import torch` is about
+# 2 s of CPU, and DDP's first use imports torch._dynamo (2 s more). Nothing here starts a thread or
+# touches CUDA, so forking afterwards is safe.
+PREIMPORTS = ("torch", "torch.distributed", "torch._dynamo")
+
+
+def preimport(*names: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    # Imported once here and inherited by every rank: DDP's first use imports torch._dynamo
-    # (seconds of CPU per rank otherwise), and the course's data sets come from scikit-learn.
-    for name in ("torch.distributed", "torch._dynamo", "sklearn.datasets", "matplotlib.figure"):
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
+
+
+def _serve() -> None:
+    """Body of the rank starter: read jobs, fork their ranks, send back the reports."""
+    request_fd, reply_fd = map(int, os.environ.pop("RINGSIDE_STARTER_FDS").split(","))
+    requests, replies = Connection(request_fd, writable=False), Connection(reply_fd, readable=False)
+    preimport(*PREIMPORTS, "matplotlib.figure")  # notebooks' ranks draw too
     while True:
         try:
             blob = requests.recv_bytes()
@@ -482,8 +491,9 @@ def torchrun_nodes(commands: list[list[str]], timeout: float = 180,
 # --- The same script on forked ranks (the tests' fast path) ---------------------------------------
 
 
-def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """In a forked rank: fresh stdout/stderr files, torchrun's variables, run the script as __main__."""
+def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str | None, err: str | None) -> None:
+    """In a forked rank: stdout/stderr to fresh files (None: the parent's, line by line), torchrun's
+    variables, run the script as __main__."""
     code = 1
     try:
         import faulthandler
@@ -497,9 +507,10 @@ def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str, e
             logging.root.removeHandler(handler)
         logging.root.setLevel(logging.WARNING)
         for fd, path in ((1, out), (2, err)):
-            handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(handle, fd)
-            os.close(handle)
+            if path is not None:
+                handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(handle, fd)
+                os.close(handle)
         sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
         os.environ.update(env)
@@ -552,9 +563,22 @@ def fork_script(script: str | Path, nproc: int, *args: str, timeout: float = 120
 def _fork_script(script, per_node, args, timeout, environ, env, cwd, port,
                  nnodes=1) -> tuple[list[int | None], str, str]:
     """In the rank starter: fork the ranks, wait for them; (exit codes, None for a rank killed at the
-    deadline; every rank's stdout; every rank's stderr). A rank's environment is the caller's
-    (`environ`), torchrun's variables, then `env`."""
+    deadline; every rank's stdout; every rank's stderr)."""
     workdir = tempfile.mkdtemp(prefix="ringside-fork-")
+    pids = fork_script_ranks(script, per_node, args, environ, env, cwd, port, nnodes, workdir)
+    codes = _wait_pids(pids, timeout)
+    read = lambda path: Path(path).read_text(errors="replace") if Path(path).exists() else ""  # noqa: E731
+    stdout = "".join(read(f"{workdir}/{r}.out") for r in range(len(pids)))
+    stderr = "".join(read(f"{workdir}/{r}.err") for r in range(len(pids)))
+    shutil.rmtree(workdir, ignore_errors=True)
+    return codes, stdout, stderr
+
+
+def fork_script_ranks(script, per_node: int, args, environ: dict[str, str], env: dict[str, str], cwd: str,
+                      port: int, nnodes: int = 1, workdir: str | None = None) -> list[int]:
+    """Fork `script`'s ranks from this process, each with the variables torchrun would give it; their
+    pids in rank order. A rank's environment is `environ`, torchrun's variables, then `env`. Its output
+    goes to workdir/RANK.out and .err, or (workdir None) to this process's stdout and stderr."""
     nproc = per_node * nnodes
     shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(per_node), "ROLE_WORLD_SIZE": str(nproc),
@@ -571,14 +595,10 @@ def _fork_script(script, per_node, args, timeout, environ, env, cwd, port,
         if pid == 0:
             os.environ.clear()  # the starter's environment is the one it started with, not the caller's now
             os.chdir(cwd)
-            _script_rank(Path(script), list(args), rank_env, f"{workdir}/{rank}.out", f"{workdir}/{rank}.err")
+            files = (f"{workdir}/{rank}.out", f"{workdir}/{rank}.err") if workdir else (None, None)
+            _script_rank(Path(script), list(args), rank_env, *files)
         pids.append(pid)
-    codes = _wait_pids(pids, timeout)
-    read = lambda path: Path(path).read_text(errors="replace") if Path(path).exists() else ""  # noqa: E731
-    stdout = "".join(read(f"{workdir}/{r}.out") for r in range(nproc))
-    stderr = "".join(read(f"{workdir}/{r}.err") for r in range(nproc))
-    shutil.rmtree(workdir, ignore_errors=True)
-    return codes, stdout, stderr
+    return pids
 
 
 def _wait_pids(pids: list[int], timeout: float) -> list[int | None]:
