@@ -21,7 +21,7 @@ chapter_file = $(firstword $(wildcard $(1)/$(CH)_*.py))
 # pip, minus the warnings about package mirrors that this machine's pip.conf names but lacks
 PIP = $(PY) -m pip install --quiet 2> >(grep -v "is ignored" >&2)
 
-.PHONY: help setup lab hint solution template test-kernels test-gpu bench-gpu jupyter test bench labs clean cluster cluster-down cluster-bench cluster-overlap
+.PHONY: help setup lab hint solution template test-kernels test-gpu bench-gpu bench-verdicts jupyter test bench labs clean cluster cluster-down cluster-bench cluster-overlap
 
 help: ## list the targets
 	@echo "ringside - make targets (CH=NN picks a chapter, NPROC=N the number of ranks):"
@@ -100,21 +100,34 @@ $(VENV)/.ui-ready: requirements-ui.txt $(VENV)/.ready
 # TEST_WORKERS=0: everything in one process.
 TEST_WORKERS ?= 4
 NBVAL = -p tools.pytest_quick_imports --nbval --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 300
+# TESTS (and TESTS_K, a -k expression): what to run; every notebook and test unless told otherwise.
+TESTS   ?= chapters tests
+TESTS_K ?=
 test: setup ## run every test: notebooks (nbval), labs, solutions, package
 	@start=$$(date +%s); \
-	$(PY) -m pytest -q -rs -p no:randomly -n $(TEST_WORKERS) $(NBVAL) chapters tests; status=$$?; \
+	$(PY) -m pytest -q -rs -p no:randomly -n $(TEST_WORKERS) $(NBVAL) $(TESTS) $(if $(TESTS_K),-k "$(TESTS_K)"); status=$$?; \
 	echo "make test: total $$(( $$(date +%s) - start )) s"; exit $$status
+
+# What can differ with another torch or another CPU's kernels: every notebook's outputs, every
+# solution at every world size it accepts (numbers compared bit for bit), the recorder and the stand-in
+# GPU (they patch torch), the conformance tests (PyTorch's own as the reference) and the correct
+# variants (other torch APIs). Not the planted mistakes again: a check names them the same way.
+DIFFERS := chapters tests/test_labs.py tests/test_recorder.py tests/test_standin.py tests/test_conformance.py \
+	tests/test_fsdp_conformance.py tests/test_syncbn_options.py tests/test_gpu_traps.py tests/test_data.py \
+	tests/test_mutations.py
+DIFFERS_K := not test_check_names_the_mistake
 
 # Stored outputs must not depend on the CPU: PyTorch picks its CPU kernels by ATEN_CPU_CAPABILITY,
 # so one machine can run the notebooks with another CPU's kernels (default: no SIMD; avx2). CI runs
 # this after make test; KERNELS="default" checks one level.
 KERNELS ?= default avx2
-test-kernels: setup ## every notebook again under other CPUs' kernels (ATEN_CPU_CAPABILITY=default, avx2)
+SOLUTIONS := tests/test_labs.py::test_solution_passes tests/test_labs.py::test_solution_passes_on_two_nodes
+test-kernels: setup ## every notebook and solution again under other CPUs' kernels (ATEN_CPU_CAPABILITY=default, avx2)
 	@start=$$(date +%s); status=0; \
 	for level in $(KERNELS); do \
-	    echo "== notebooks with ATEN_CPU_CAPABILITY=$$level"; \
-	    ATEN_CPU_CAPABILITY=$$level $(PY) -m pytest -q -p no:randomly -p no:cacheprovider -n $(TEST_WORKERS) $(NBVAL) chapters \
-	        || status=1; \
+	    echo "== notebooks and solutions with ATEN_CPU_CAPABILITY=$$level"; \
+	    ATEN_CPU_CAPABILITY=$$level $(PY) -m pytest -q -p no:randomly -p no:cacheprovider -n $(TEST_WORKERS) $(NBVAL) \
+	        chapters $(SOLUTIONS) tests/test_recorder.py tests/test_standin.py || status=1; \
 	done; \
 	echo "make test-kernels: total $$(( $$(date +%s) - start )) s"; exit $$status
 
@@ -171,6 +184,9 @@ bench-gpu: ## (GPU machine) chapter 09's table: step time and memory in fp32, TF
 bench: setup ## time naive vs ring vs dist.all_reduce; writes assets/bench/
 	$(PY) -m tools.bench
 
+bench-verdicts: setup ## each lab's time to its verdict at 2 and 4 ranks, on an idle machine (LABS="04 11": those)
+	$(PY) -m tools.verdict_bench $(LABS)
+
 N    ?= 4
 RATE ?= 1gbit
 cluster: setup ## (root) N hosts in network namespaces, RATE links: make cluster N=4 RATE=1gbit
@@ -194,11 +210,13 @@ cluster-fsdp: setup ## (root) chapter 16: a ZeRO-3 step with and without prefetc
 cluster-hierarchy: setup ## (root) chapter 15: links, flat vs hierarchical all-reduce, DDP/FSDP/HSDP steps on 2 and 4 hosts x 2 ranks; writes assets/15_hierarchy/cluster.json
 	$(PY) -m tools.hierarchy_bench --rate $(RATE) --reps 7
 
-# The oldest torch the course supports, in a second environment beside .venv: the whole suite again.
+# The oldest torch the course supports, in a second environment beside .venv: what can differ there
+# (DIFFERS, above), and the take-home template (torch's checkpoints, FSDP and torchrun's restarts).
 OLDEST_TORCH_PINS := torch==2.11.0 torchvision==0.26.0
 .PHONY: test-oldest-torch
-test-oldest-torch: ## every test again on the oldest supported torch (2.11), in .venv-torch2.11 (4 GB, minutes)
-	$(MAKE) --no-print-directory test VENV=.venv-torch2.11 TORCH_PINS="$(OLDEST_TORCH_PINS)"
+test-oldest-torch: ## notebooks, solutions, template and what else can differ, on the oldest supported torch (2.11), in .venv-torch2.11 (4 GB)
+	$(MAKE) --no-print-directory test VENV=.venv-torch2.11 TORCH_PINS="$(OLDEST_TORCH_PINS)" \
+	    TESTS="$(DIFFERS) tests/test_template.py" TESTS_K="$(DIFFERS_K)"
 
 labs: setup ## regenerate labs/ from solutions/ (maintainers; overwrites labs/)
 	$(PY) -m tools.labgen

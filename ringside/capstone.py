@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--kill-rank", type=int, default=1, help="fault injection: the rank that dies")
     arg("--kill-at-step", type=int, default=None,
         help="fault injection: that rank kills itself (SIGKILL) before this step, unless the run resumed")
-    arg("--resume-check", action=flag, default=True, help="the self-check also crashes a second run and resumes it")
+    arg("--resume-check", action=flag, default=True, help="the self-check also resumes from a mid-epoch checkpoint and compares")
     arg("--progress", action=flag, default=None, help="rank 0's progress bar (default: if stderr is a terminal)")
     args = p.parse_args(argv)
     if args.data != "digits" and not args.data_dir:
