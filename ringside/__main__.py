@@ -38,7 +38,7 @@ def run_forked(script: str, nproc: int, *args: str, timeout: float = TIMEOUT) ->
     env = own_clone_env(script)
     # A rank's path as under torchrun: the script's folder (set in the rank), then PYTHONPATH's clone
     sys.path[1:1] = env.get("PYTHONPATH", "").split(os.pathsep)[:1]
-    preimport(*PREIMPORTS)
+    preimport(*(name for name in PREIMPORTS if name != "torch._dynamo" or _builds_ddp(script)))
     with reserved_port() as port:
         pids = fork_script_ranks(script, nproc, args, env, {}, os.getcwd(), port)
     try:
@@ -53,6 +53,16 @@ def run_forked(script: str, nproc: int, *args: str, timeout: float = TIMEOUT) ->
     if None in codes:
         print(f"{script}: ranks still running after {timeout:g} s (a hang?) were killed", file=sys.stderr)
     return 0 if all(code == 0 for code in codes) else 1
+
+
+def _builds_ddp(script: str) -> bool:
+    """Whether the lab or its check builds DDP or FSDP, whose first use imports torch._dynamo (2 s of
+    CPU): then it is imported once here rather than in every rank. A guess from the source: a wrong
+    one costs time, never a result (a rank imports what it needs)."""
+    path = Path(script)
+    check = path.resolve().parent.parent / "checks" / f"lab{path.name[:2]}.py"
+    texts = [path.read_text()] + ([check.read_text()] if check.exists() else [])
+    return any(word in text for text in texts for word in ("DistributedDataParallel", "fully_shard"))
 
 
 def _agent_noise(line: str) -> bool:

@@ -16,7 +16,6 @@ import torch
 # one thread per process where several share the cores. Scripts' ranks fork from the rank starter.
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
-import sklearn.datasets  # noqa: E402,F401 - imported once here, inherited by every process forked here
 import torch._dynamo  # noqa: E402,F401 - DDP imports it on first use: seconds per rank otherwise
 import matplotlib.figure  # noqa: E402,F401 - the capstone draws its curves: most of a second per run
 
