@@ -1037,10 +1037,9 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_lost(tmp_path, fsdp_pla
 
 
 def crash_at(out: Path, nproc: int, step: int, *args: str) -> str:
-    """Train under torchrun until rank 0 kills itself before `step` (no restart): the checkpoints
-    stay. Returns the log."""
-    done = launch(SCRIPT, nproc, "--out", str(out), *TINY, *args, torchrun=True,
-                  env={"RINGSIDE_TEST_FAULTS": f"fail_at_step={step}"})
+    """Train (forked ranks: no torchrun, no `import torch` per rank) until rank 0 kills itself before
+    `step`: the others see the dead peer and exit at once; the checkpoints stay. Returns the log."""
+    done = launch(SCRIPT, nproc, "--out", str(out), *TINY, *args, env={"RINGSIDE_TEST_FAULTS": f"fail_at_step={step}"})
     log = done.stdout + done.stderr
     assert done.returncode != 0 and f"killing myself (SIGKILL) before step {step}" in log, log[-3000:]
     return log
