@@ -195,6 +195,9 @@ BEST_METRIC, HIGHER_IS_BETTER = "accuracy", True
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace, total_steps: int):
+    """(optimizer, scheduler). The scheduler steps once per optimizer step; a ReduceLROnPlateau instead
+    steps after each validation, with its BEST_METRIC (mode="max" where HIGHER_IS_BETTER). Its state
+    is saved in every checkpoint and restored."""
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=max(1, total_steps))
     return optimizer, scheduler
@@ -334,6 +337,7 @@ class RankStream(IterableDataset):
 # Written to a temporary name and renamed: a checkpoint under its final name is whole. The newest
 # --keep readable ones are kept; a resume loads the newest that reads.
 
+PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau  # steps with a validation metric, not per step
 TRAIN_STATE = "train_state.pt"  # in a DCP folder: step, RNGs, settings (the tensors are DCP's shards)
 
 
@@ -1063,14 +1067,18 @@ def train() -> None:
         if step >= total_steps:
             log.info("%s is at step %d, and this run has %d steps in all: nothing to do (more --epochs or "
                      "--max-steps go on, with --new-schedule)", ckpt, step, total_steps)
-        # The schedule is built for total_steps (the same as the checkpoint's, or a new one with
-        # --new-schedule or at another world size), not restored: step it to where the run is
-        # (learning rate only, no update).
+        # The scheduler's own state (a plateau's counters, say) comes back where the schedule is the
+        # checkpoint's. A schedule of another length (--new-schedule, another number of processes)
+        # is built for total_steps instead and stepped to where the run is (learning rate only).
         saved_lr = optimizer.param_groups[0]["lr"]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
-            for _ in range(min(step, total_steps)):
-                scheduler.step()
+        same_schedule = not resized and saved.get("schedule_steps", total_steps) == total_steps
+        if "scheduler" in state and (same_schedule or isinstance(scheduler, PLATEAU)):
+            scheduler.load_state_dict(state["scheduler"])
+        elif not isinstance(scheduler, PLATEAU):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
+                for _ in range(min(step, total_steps)):
+                    scheduler.step()
         new_lr = optimizer.param_groups[0]["lr"]
         if resized:
             log.info("resumed at %d processes, the checkpoint had %d: the global batch is %d (was %d), "
@@ -1095,7 +1103,7 @@ def train() -> None:
         rngs = [None] * world_size
         dist.all_gather_object(rngs, rng_state(device))  # every rank's generators (e.g. for dropout)
         train_state = {"step": step, "epoch": epoch, "consumed": consumed, "best": best, "rng": rngs,
-                       "settings": settings, "scaler": scaler.state_dict()}
+                       "settings": settings, "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict()}
         if args.fsdp:
             path = out / f"checkpoint-{step:07d}"
             broadcast_buffers(net)  # one rank's buffers are saved: make them every rank's
@@ -1138,6 +1146,8 @@ def train() -> None:
         if is_main:
             write_metrics(metrics, {"step": step, "validation": val}, board)
         value = val[BEST_METRIC]
+        if isinstance(scheduler, PLATEAU):
+            scheduler.step(value)
         if best is None or (value > best if HIGHER_IS_BETTER else value < best):
             best = value
             weights = full_state_dict(net, args.fsdp)  # (with --fsdp, every rank takes part)
@@ -1190,7 +1200,8 @@ def train() -> None:
                 grad_norm = grad_norm.full_tensor()
             scaler.step(optimizer)  # skipped if fp16 gradients overflowed
             scaler.update()
-            scheduler.step()
+            if not isinstance(scheduler, PLATEAU):  # (a plateau steps after each validation)
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             consumed += global_batch
@@ -1222,7 +1233,7 @@ def train() -> None:
                 seconds = time.monotonic() - window["since"]
                 record = {"step": step, "epoch": round(epochs_done(), 4),
                           "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
-                          "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0],
+                          "grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
                           "step_time_s": seconds / window["steps"],
                           "samples_per_s": window["steps"] * global_batch / seconds}
                 eta = round((total_steps - step) * record["step_time_s"])

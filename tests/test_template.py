@@ -833,6 +833,34 @@ def test_a_variable_length_sequence_model_adapted_where_the_readme_says_resumes_
     assert resumed["weights_sha256"] == plain["weights_sha256"], "not bit for bit after SIGTERM and a resume"
 
 
+PLATEAU_OPTIMIZER = {  # a scheduler with state of its own, stepped with the validation metric
+    "build_optimizer": '''
+def build_optimizer(model, args, total_steps):
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # threshold 0.5: hardly any validation counts as better, so the rate halves after most of them
+    return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=1,
+                                                                 threshold=0.5)
+''',
+}
+
+
+def test_a_plateau_schedulers_state_is_saved_and_restored(tmp_path):
+    """REVIEW E6: a ReduceLROnPlateau steps after each validation with BEST_METRIC, and its counters
+    (best, bad epochs) are in the checkpoint: a run that crashes and resumes ends with the weights of
+    one that did not, bit for bit (rebuilt, it would forget its best and halve the rate later)."""
+    script = adapted_template(tmp_path, PLATEAU_OPTIMIZER)
+    args = ["--epochs", "1", "--max-steps", "14", "--batch-size", "32", "--workers", "0", "--eval-every", "2",
+            "--checkpoint-every", "5", "--log-every", "1"]
+    plain, _ = train(tmp_path / "plain", 1, *args[2:], script=script, common=args[:2])
+    rates = [r["lr"] for r in map(json.loads, (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    assert rates[0] == 0.1 and 0 < rates[-1] <= 0.1 / 4, rates  # it halved, more than once
+    out = tmp_path / "crashed"
+    crashed = launch(script, 1, "--out", str(out), *args, env={"RINGSIDE_TEST_FAULTS": "fail_at_step=13"})
+    assert crashed.returncode != 0 and (out / "checkpoint-0000010.pt").exists(), crashed.stdout[-3000:]
+    resumed, log = train(out, 1, *args[2:], script=script, common=args[:2])
+    assert "at step 10 " in log and resumed["weights_sha256"] == plain["weights_sha256"], log[-3000:]
+
+
 # --- Issue 42: every stop saves (REVIEW E), FSDP, another world size, streams ----------------------
 
 
