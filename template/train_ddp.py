@@ -28,6 +28,9 @@ save a checkpoint within two steps and exit 0, whenever they come.
 from __future__ import annotations
 
 import signal
+import time
+
+STARTED = time.monotonic()  # this process's start: how much of a Slurm attempt its start-up took
 
 # A stop signal only sets this flag; training acts on it at the next step. Installed before anything
 # else: a signal during the seconds of `import torch` must not kill the process either.
@@ -36,6 +39,11 @@ import signal
 #   SIGUSR1  the sbatch's "time limit near": save, stop, and the job requeues itself
 #   SIGUSR2  the sbatch's "save and stop" (`scancel --signal=USR2 JOB`, with or without --batch)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+# What each means here, for the log line of the save. (A process cannot tell who sent a signal: the
+# sbatch's time-limit warning and a `scancel --signal=USR1` are the same SIGUSR1.)
+STOP_MEANING = {"SIGTERM": "kill, scancel, or torchrun passing its own on", "SIGINT": "Ctrl-C",
+                "SIGUSR1": "the sbatch's time-limit warning, or scancel --signal=USR1: save and requeue",
+                "SIGUSR2": "scancel --signal=USR2: save and stop"}
 STOP_REQUESTED = 0  # 0: go on; 1: save and stop; 2: save and stop, then requeue (SIGUSR1)
 STOP_SIGNAL = None  # the name of the first stop signal this process got
 
@@ -63,10 +71,11 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
+import traceback  # noqa: E402
 import warnings  # noqa: E402
 import zipfile  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
@@ -186,6 +195,9 @@ BEST_METRIC, HIGHER_IS_BETTER = "accuracy", True
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace, total_steps: int):
+    """(optimizer, scheduler). The scheduler steps once per optimizer step; a ReduceLROnPlateau instead
+    steps after each validation, with its BEST_METRIC (mode="max" where HIGHER_IS_BETTER). Its state
+    is saved in every checkpoint and restored."""
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=max(1, total_steps))
     return optimizer, scheduler
@@ -325,6 +337,7 @@ class RankStream(IterableDataset):
 # Written to a temporary name and renamed: a checkpoint under its final name is whole. The newest
 # --keep readable ones are kept; a resume loads the newest that reads.
 
+PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau  # steps with a validation metric, not per step
 TRAIN_STATE = "train_state.pt"  # in a DCP folder: step, RNGs, settings (the tensors are DCP's shards)
 
 
@@ -372,23 +385,67 @@ def load_sharded(net: nn.Module, optimizer, path: Path) -> None:
     set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+def dcp_metadata(path: Path):
+    """A DCP folder's .metadata: every tensor's name and shape, and where its bytes are."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def cut_shard(path: Path) -> str | None:
+    """Why a DCP folder's shard files are not whole, or None: .metadata says which file holds each
+    tensor and at which offset and length; a file that is missing or shorter (cut off by a full disk,
+    a copy that stopped) is found here, before dcp.load would fail on it on every rank."""
+    ends: dict[str, int] = {}
+    for info in (dcp_metadata(path).storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        if size is None or size < end:
+            return f"{name} is missing" if size is None else f"{name} is cut off ({size} of {end} bytes)"
+    return None
+
+
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)(\.pt)?")  # checkpoint-0000040.pt (DDP), checkpoint-0000040/ (FSDP)
+
+
 def checkpoint_step(path: Path) -> int:
-    return int(path.name.split("-")[1].split(".")[0])
+    return int(CHECKPOINT_NAME.fullmatch(path.name).group(1))
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """OUT/checkpoint-<step>.pt and OUT/checkpoint-<step>/, newest first."""
-    found = [p for p in out.glob("checkpoint-*") if p.is_dir() or p.suffix == ".pt"]
+    """OUT/checkpoint-<step>.pt and OUT/checkpoint-<step>/, newest first. Nothing else counts: a
+    folder you named checkpoint-old (or checkpoint-0000040-bad, to set one aside) is left alone."""
+    found = []
+    for path in out.glob("checkpoint-*"):
+        name = CHECKPOINT_NAME.fullmatch(path.name)
+        if name and (path.is_file() if name.group(2) else path.is_dir()):
+            found.append(path)
     return sorted(found, key=checkpoint_step, reverse=True)
 
 
 def load_train_state(path: Path, device: torch.device) -> dict:
-    """A checkpoint file, or a DCP folder's train_state.pt (its shards are loaded later, by every rank)."""
+    """A checkpoint file, or a DCP folder's train_state.pt (its shards are loaded later, by every
+    rank: here only checked to be whole)."""
     if path.is_dir():
         if not (path / ".metadata").exists():
             raise FileNotFoundError(f"{path / '.metadata'} is missing")
-        return torch.load(path / TRAIN_STATE, map_location=device, weights_only=True)
+        state = torch.load(path / TRAIN_STATE, map_location=device, weights_only=True)
+        problem = cut_shard(path)
+        if problem:
+            raise OSError(problem)
+        return state
     return torch.load(path, map_location=device, weights_only=True)
+
+
+def saved_shapes(path: Path, state: dict) -> dict[str, tuple | None]:
+    """The names and shapes of the model's tensors in a checkpoint: a DDP file's "model", or what a
+    DCP folder's .metadata says of its "model." entries (no shard is read)."""
+    if not path.is_dir():
+        return shapes_of(state["model"])
+    entries = dcp_metadata(path).state_dict_metadata
+    return {k.removeprefix("model."): tuple(m.size) if hasattr(m, "size") else None
+            for k, m in entries.items() if k.startswith("model.")}
 
 
 def newest_loadable_checkpoint(out: Path, device: torch.device) -> tuple[Path, dict] | None:
@@ -417,8 +474,9 @@ _READABLE: set[Path] = set()  # checkpoints this process wrote, or found readabl
 
 def readable(path: Path) -> bool:
     """Whether a checkpoint is whole: torch.save writes a zip archive, and every member's CRC must
-    match (reads the file, unpickles nothing); a DCP folder needs its .metadata and a whole
-    train_state.pt (renamed into place only after every shard was written). Each is checked once."""
+    match (reads the file, unpickles nothing); a DCP folder needs its .metadata, a whole
+    train_state.pt (renamed into place only after every shard was written) and every shard file as
+    long as .metadata says. Each is checked once."""
     if path in _READABLE:
         return True
     file = path / TRAIN_STATE if path.is_dir() else path
@@ -428,7 +486,10 @@ def readable(path: Path) -> bool:
     except (OSError, zipfile.BadZipFile):
         whole = False
     if whole and path.is_dir():
-        whole = (path / ".metadata").exists()
+        try:
+            whole = cut_shard(path) is None
+        except Exception:  # noqa: BLE001 - no .metadata, or one that does not unpickle
+            whole = False
     if whole:
         _READABLE.add(path)
     return whole
@@ -470,15 +531,39 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
+def shapes_of(state: dict) -> dict[str, tuple | None]:
+    """Each tensor's shape (a DTensor's: the whole tensor's) in a state_dict; None for other values."""
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+
+def model_mismatch(expected: dict[str, tuple | None], found: dict[str, tuple | None]) -> str | None:
+    """How weights of names and shapes `found` do not fit a model of `expected`, in a few words
+    (a count and a first example of each kind); None when they fit."""
+    missing = [k for k in expected if k not in found]
+    extra = [k for k in found if k not in expected]
+    other = [f"{k} is {found[k]}, the model's {expected[k]}" for k in expected
+             if k in found and None not in (found[k], expected[k]) and found[k] != expected[k]]
+    parts = [f"{len(names)} {what} (e.g. {names[0]})" for names, what in (
+        (missing, "of the model's tensors missing"), (extra, "tensors the model does not have"),
+        (other, "of another shape"))
+        if names]
+    return "; ".join(parts) or None
+
+
 def load_pretrained(model: nn.Module, path: str) -> None:
     """Weights from a file: a state_dict, or a checkpoint with a "model" entry.
 
     Keys saved from a DDP-wrapped model start with "module.": that prefix (and only a prefix) is
-    removed. weights_only=True: the file can hold tensors and plain containers, never code."""
+    removed. weights_only=True: the file can hold tensors and plain containers, never code. Weights
+    of another model are refused in one line (strict: no tensor is skipped silently)."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     state = state.get("model", state)
     state = {k.removeprefix("module."): v for k, v in state.items()}
-    model.load_state_dict(state)  # strict: a key that does not fit is an error, not a silent skip
+    problem = model_mismatch(shapes_of(model.state_dict()), shapes_of(state))
+    if problem:
+        raise SystemExit(f"--pretrained {path} holds another model's weights: {problem}. Give weights of "
+                         f"the model that build_model() makes")
+    model.load_state_dict(state)
 
 
 def to_device(x, device: torch.device):
@@ -680,16 +765,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600,
                    help="how long a collective may wait for the other ranks before failing")
     p.add_argument("--pretrained", default=None, help="initial weights (ignored when resuming)")
-    # Testing only (not listed by --help): --fail-rank kills itself (SIGKILL) before step
-    # --fail-at-step, once per --out (-1: before it joins the process group; may be given several
-    # times); --step-delay sleeps this long in every step (a slow model).
-    p.add_argument("--fail-at-step", type=int, action="append", default=[], help=argparse.SUPPRESS)
-    p.add_argument("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--step-delay", type=float, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                   help="start from this checkpoint (a checkpoint-<step>.pt file, or a checkpoint-<step>/ folder "
+                        "with --fsdp), e.g. another run's, while --out has none of its own; once it has, a "
+                        "restart or requeue of the same command goes on from --out's newest")
     return p
-
-
-TEST_ONLY_OPTIONS = ("--fail-at-step", "--fail-rank", "--step-delay")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -790,9 +870,17 @@ def start_workers(loader: DataLoader):
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def fail_once_if_asked(args: argparse.Namespace, out: Path, rank: int, step: int) -> None:
-    """Testing: the crash that --fail-at-step asks for, once per --out (whatever restarts follow)."""
-    if step in args.fail_at_step and rank == args.fail_rank:
+# Testing only: the course's tests set RINGSIDE_TEST_FAULTS (unset, nothing happens), e.g.
+# "fail_at_step=-1,25 fail_rank=3 step_delay=0.3": rank fail_rank kills itself (SIGKILL) before each
+# step of fail_at_step, once per --out (-1: before it joins the process group); every step sleeps
+# step_delay seconds (a slow model), the start-up startup_delay (a slow start). Not options: nothing
+# in --help.
+FAULTS = dict(item.split("=", 1) for item in os.environ.get("RINGSIDE_TEST_FAULTS", "").split())
+
+
+def fail_once_if_asked(out: Path, rank: int, step: int) -> None:
+    """Testing: the crash that RINGSIDE_TEST_FAULTS asks for, once per --out (whatever restarts follow)."""
+    if FAULTS and str(step) in FAULTS.get("fail_at_step", "").split(",") and rank == int(FAULTS.get("fail_rank", 0)):
         marker = out / f".failed_at_step_{step}"
         if not marker.exists():
             marker.touch()
@@ -800,7 +888,19 @@ def fail_once_if_asked(args: argparse.Namespace, out: Path, rank: int, step: int
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-STOPPED_MARKER = ".stopped"  # OUT/.stopped: "requeue" or "stop", written at a signal's save (for the sbatch)
+# OUT/.stopped, written at a signal's save, for the sbatch: "requeue" (SIGUSR1) or "stop", then this
+# attempt's start-up and training seconds and its steps (the sbatch does not requeue an attempt that
+# was mostly start-up: the next would be too).
+STOPPED_MARKER = ".stopped"
+
+
+def exit_now(code: int) -> None:
+    """Flush and leave at once: gloo's threads can abort a normal interpreter exit ("terminate called
+    without an active exception") or hang it, waiting on a peer that died."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # --- Training ----------------------------------------------------------------------------------------------
@@ -808,10 +908,28 @@ STOPPED_MARKER = ".stopped"  # OUT/.stopped: "requeue" or "stop", written at a s
 
 @record  # an exception's traceback goes to torchrun's summary of the failed ranks
 def main() -> None:
+    try:
+        train()
+    except BaseException:
+        # An error, or a peer that died (gloo: "Connection reset"): nothing is left to save. The stop
+        # signals get their default action back, so that the SIGTERM torchrun sends every process
+        # once one failed ends this one at once (caught, it would be waited out for torchrun's whole
+        # shutdown timeout before the restart), and the process exits (exit_now) instead of waiting
+        # on the dead peer in the interpreter's exit.
+        catch_stop_signals(signal.SIG_DFL)
+        raise
+
+
+def train() -> None:
     args = parse_args()
     out = Path(args.out)
     ensure_writable(out)  # every process, before any waits for another
-    fail_once_if_asked(args, out, int(os.environ.get("RANK", 0)), step=-1)  # testing: a start-up crash
+    for option, path in (("--pretrained", args.pretrained), ("--resume", args.resume)):
+        if path and not Path(path).exists():  # every process says it and stops: none waits for another
+            raise SystemExit(f"{option} {path}: no such file or folder")
+    if FAULTS:  # (testing only) a start-up crash, a slow start-up
+        fail_once_if_asked(out, int(os.environ.get("RANK", 0)), step=-1)
+        time.sleep(float(FAULTS.get("startup_delay", 0)))
     rank, world_size, device = setup_distributed(args.timeout_s)
     is_main = rank == 0
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, stream=sys.stdout,
@@ -849,15 +967,25 @@ def main() -> None:
         raise SystemExit(f"an epoch has fewer than {args.accum} batches of {args.batch_size} per process")
     global_batch = world_size * per_step
 
-    # Resume from the newest checkpoint that loads. Rank 0 chooses and tells the others, so that all
-    # ranks resume from the same one.
+    # Resume from the newest checkpoint that loads (or from --resume while OUT has none). Rank 0
+    # chooses and tells the others, so that all ranks resume from the same one.
     found, refused = None, None
     if is_main:
         for stale in out.glob(".*.tmp"):  # a save cut off before its rename (the one it replaced is whole)
             remove(stale)
         (out / STOPPED_MARKER).unlink(missing_ok=True)
         try:
-            found = newest_loadable_checkpoint(out, device)
+            if args.resume and not checkpoints(out):
+                try:
+                    found = Path(args.resume), load_train_state(Path(args.resume), device)
+                except Exception as error:  # noqa: BLE001 - said in one line, on every rank
+                    refused = (f"--resume {args.resume} cannot be read ({type(error).__name__}: "
+                               f"{str(error).splitlines()[0][:200] if str(error) else ''})")
+            else:
+                if args.resume:
+                    log.info("--resume %s not used: %s has checkpoints of its own, and goes on from its newest",
+                             args.resume, out)
+                found = newest_loadable_checkpoint(out, device)
         except CheckpointError as error:
             refused = str(error)
     chosen = [str(found[0]) if found else None, refused]
@@ -894,6 +1022,11 @@ def main() -> None:
                              f"the old ones, or start afresh with a new --out")
 
     net = build_model()
+    if state is not None:  # a checkpoint of another model: said in one line, before anything changes
+        problem = model_mismatch(shapes_of(net.state_dict()), saved_shapes(ckpt, state))
+        if problem:
+            raise SystemExit(f"{ckpt} holds another model's weights: {problem}. Resume with the model it was "
+                             f"written with, or start afresh with a new --out (nothing was changed)")
     if args.pretrained:
         load_pretrained(net, args.pretrained)
         log.info("initial weights from %s", args.pretrained)
@@ -920,7 +1053,13 @@ def main() -> None:
                 "accum": args.accum}
     if state is not None:
         if args.fsdp:
-            load_sharded(net, optimizer, ckpt)  # every rank its shards (resharded at another world size)
+            try:  # every rank its shards (resharded at another world size)
+                load_sharded(net, optimizer, ckpt)
+            except Exception as error:  # noqa: BLE001 - DCP raises on every rank when any rank failed
+                raise SystemExit(f"{ckpt} could not be loaded ({type(error).__name__}: "
+                                 f"{str(error).strip().splitlines()[-1][:300] if str(error).strip() else ''}); "
+                                 f"set it aside (e.g. rename it {ckpt.name}-bad) and run again to resume from "
+                                 f"the one before") from None
         else:
             net.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -928,14 +1067,18 @@ def main() -> None:
         if step >= total_steps:
             log.info("%s is at step %d, and this run has %d steps in all: nothing to do (more --epochs or "
                      "--max-steps go on, with --new-schedule)", ckpt, step, total_steps)
-        # The schedule is built for total_steps (the same as the checkpoint's, or a new one with
-        # --new-schedule or at another world size), not restored: step it to where the run is
-        # (learning rate only, no update).
+        # The scheduler's own state (a plateau's counters, say) comes back where the schedule is the
+        # checkpoint's. A schedule of another length (--new-schedule, another number of processes)
+        # is built for total_steps instead and stepped to where the run is (learning rate only).
         saved_lr = optimizer.param_groups[0]["lr"]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
-            for _ in range(min(step, total_steps)):
-                scheduler.step()
+        same_schedule = not resized and saved.get("schedule_steps", total_steps) == total_steps
+        if "scheduler" in state and (same_schedule or isinstance(scheduler, PLATEAU)):
+            scheduler.load_state_dict(state["scheduler"])
+        elif not isinstance(scheduler, PLATEAU):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
+                for _ in range(min(step, total_steps)):
+                    scheduler.step()
         new_lr = optimizer.param_groups[0]["lr"]
         if resized:
             log.info("resumed at %d processes, the checkpoint had %d: the global batch is %d (was %d), "
@@ -960,7 +1103,7 @@ def main() -> None:
         rngs = [None] * world_size
         dist.all_gather_object(rngs, rng_state(device))  # every rank's generators (e.g. for dropout)
         train_state = {"step": step, "epoch": epoch, "consumed": consumed, "best": best, "rng": rngs,
-                       "settings": settings, "scaler": scaler.state_dict()}
+                       "settings": settings, "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict()}
         if args.fsdp:
             path = out / f"checkpoint-{step:07d}"
             broadcast_buffers(net)  # one rank's buffers are saved: make them every rank's
@@ -987,6 +1130,7 @@ def main() -> None:
     # pause for the GPU).
     stop_votes, stop_work = None, None
     micro_batches = None  # the DataLoader's iterator over this epoch (with its workers)
+    first_step = None  # (when, step) this process began training: the rest of its time was start-up
 
     def epochs_done() -> float:
         return epoch + consumed / (steps_per_epoch * global_batch)
@@ -1002,6 +1146,8 @@ def main() -> None:
         if is_main:
             write_metrics(metrics, {"step": step, "validation": val}, board)
         value = val[BEST_METRIC]
+        if isinstance(scheduler, PLATEAU):
+            scheduler.step(value)
         if best is None or (value > best if HIGHER_IS_BETTER else value < best):
             best = value
             weights = full_state_dict(net, args.fsdp)  # (with --fsdp, every rank takes part)
@@ -1027,8 +1173,11 @@ def main() -> None:
         micro_batches = None  # the last epoch's workers stop before the new ones start
         micro_batches = start_workers(loader)
         for i in range(steps_now):
-            fail_once_if_asked(args, out, rank, step)
-            time.sleep(args.step_delay)
+            if FAULTS:  # (testing only)
+                fail_once_if_asked(out, rank, step)
+                time.sleep(float(FAULTS.get("step_delay", 0)))
+            if first_step is None:
+                first_step = (time.monotonic(), step)
             if args.fsdp:
                 broadcast_buffers(net)  # as DDP's forward does: every rank's BatchNorm statistics are rank 0's
             for k in range(args.accum):
@@ -1051,7 +1200,8 @@ def main() -> None:
                 grad_norm = grad_norm.full_tensor()
             scaler.step(optimizer)  # skipped if fp16 gradients overflowed
             scaler.update()
-            scheduler.step()
+            if not isinstance(scheduler, PLATEAU):  # (a plateau steps after each validation)
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             consumed += global_batch
@@ -1061,13 +1211,17 @@ def main() -> None:
                 vote = int(stop_votes.item())
                 if vote > 0:  # some rank got a stop signal before the step before this one
                     saved_to = save_checkpoint()
-                    if is_main:  # for the sbatch: requeue (SIGUSR1) or not
-                        (out / STOPPED_MARKER).write_text("requeue\n" if vote == 2 else "stop\n")
+                    if is_main:  # for the sbatch: requeue (SIGUSR1) or not, and how much this attempt did
+                        started, first = first_step
+                        (out / STOPPED_MARKER).write_text(
+                            f"{'requeue' if vote == 2 else 'stop'} {round(started - STARTED)} "
+                            f"{round(time.monotonic() - started)} {step - first}\n")
                     # No rank exits before rank 0 has written: an exit ends that rank's torchrun,
                     # and under `srun --kill-on-bad-exit` the whole step with it.
                     dist.barrier()
                     log.info("%s: saved %s at step %d; run the same command to resume",
-                             STOP_SIGNAL or "a stop signal to another process", saved_to, step)
+                             f"{STOP_SIGNAL} ({STOP_MEANING.get(STOP_SIGNAL, '')})" if STOP_SIGNAL
+                             else "a stop signal to another process", saved_to, step)
                     stopped = True
                     break
             stop_votes = torch.tensor([float(STOP_REQUESTED)], device=device)
@@ -1079,7 +1233,7 @@ def main() -> None:
                 seconds = time.monotonic() - window["since"]
                 record = {"step": step, "epoch": round(epochs_done(), 4),
                           "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
-                          "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0],
+                          "grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
                           "step_time_s": seconds / window["steps"],
                           "samples_per_s": window["steps"] * global_batch / seconds}
                 eta = round((total_steps - step) * record["step_time_s"])
@@ -1116,11 +1270,16 @@ def main() -> None:
             result = {**val, "step": step, "world_size": world_size, "weights_sha256": digest}
             (out / "result.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's threads can abort a normal interpreter exit ("terminate called without an active exception")
+    exit_now(0)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:  # a refusal (bad input, other settings): one line, no traceback
+        if stop.code not in (None, 0):
+            print(stop.code if isinstance(stop.code, str) else f"exit status {stop.code}", file=sys.stderr)
+        exit_now(stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed, then out at once (see main)
+        traceback.print_exc()
+        exit_now(1)

@@ -50,6 +50,28 @@ def launch(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT
         pytest.fail(f"{script} on {nproc} ranks still running after {timeout} s (a hang?):\n{(output or '')[-3000:]}")
 
 
+FAULT_OPTIONS = {"--fail-at-step": "fail_at_step", "--fail-rank": "fail_rank", "--step-delay": "step_delay",
+                 "--startup-delay": "startup_delay"}
+
+
+def split_faults(args) -> tuple[list[str], dict[str, str]]:
+    """template/train_ddp.py takes its test-only faults from RINGSIDE_TEST_FAULTS, not from options
+    (they are not in the file practitioners copy as options): the tests still write them as
+    `--fail-at-step 12 --fail-rank 1 --step-delay 0.3` among the arguments, and this moves them into
+    that variable. (arguments without them, {"RINGSIDE_TEST_FAULTS": ...} or {})"""
+    args, rest, faults = [str(a) for a in args], [], {}
+    i = 0
+    while i < len(args):
+        if args[i] in FAULT_OPTIONS:
+            key = FAULT_OPTIONS[args[i]]
+            faults[key] = f"{faults[key]},{args[i + 1]}" if key in faults else args[i + 1]
+            i += 2
+        else:
+            rest.append(args[i])
+            i += 1
+    return rest, ({"RINGSIDE_TEST_FAULTS": " ".join(f"{k}={v}" for k, v in faults.items())} if faults else {})
+
+
 def solutions() -> list[Path]:
     return sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, launch
+from conftest import ROOT, launch, split_faults
 
 pytestmark = pytest.mark.slow(2)  # Slurm jobs with torchrun, stopped and requeued
 
@@ -43,6 +43,7 @@ SLOW = ["--step-delay", "0.3"]
 # The time-limit job: --time=4 (240 s) saves 120 s in; 16 steps of 8 s each take longer than that.
 TIMED = ["--max-steps", "16", "--fsdp"]
 DEADLINE = 420  # seconds for a whole job, requeues included; anything longer is a hang
+MEANING = r"\([^)]*\)"  # "SIGUSR1 (what it means here): saved ..."
 
 
 def why_not() -> str | None:
@@ -166,10 +167,12 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverS
     def submit(self, out: Path, nproc: int, *args: str, minutes: int = 10) -> tuple[str, Path]:
         """sbatch the template's script as documented: options and variables only. (job id, its output)"""
         log = out.with_suffix(".out")
+        args, faults = split_faults(args)  # (--step-delay: RINGSIDE_TEST_FAULTS, which sbatch passes on)
         done = subprocess.run(
             ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1", f"--time={minutes}",
              f"--output={log}", f"--chdir={ROOT}", str(SBATCH), *args],
-            capture_output=True, text=True, timeout=30, env=dict(self.env, OUT=str(out), NPROC_PER_NODE=str(nproc)))
+            capture_output=True, text=True, timeout=30,
+            env=dict(self.env, OUT=str(out), NPROC_PER_NODE=str(nproc), **faults))
         assert done.returncode == 0, done.stderr
         return done.stdout.strip().split(";")[0], log
 
@@ -263,7 +266,13 @@ def test_requested_stops_save_and_end_completed_and_usr1_requeues_bit_for_bit(sl
     assert plain.returncode == 0, (plain.stdout + plain.stderr)[-3000:]
     for name, (job, log) in jobs.items():
         wait_in_log(slurm, log, r"step 5/60")
-        slurm.run("scancel", job) if name == "cancel" else slurm.run("scancel", f"--signal={name}", job)
+        if name == "cancel":
+            slurm.run("scancel", job)
+        else:  # USR1 with --batch: to the batch script, which passes it on (and says where it came from)
+            slurm.run("scancel", f"--signal={name}", *(["--batch"] if name == "USR1" else []), job)
+    # A job whose start-up (32 s here) eats the window before its time limit (--time=1: it saves at
+    # 30 s): the training saves, and the job is not requeued, saying why in one line.
+    jobs["short"] = slurm.submit(tmp_path / "short", 1, *TRAIN, *SLOW, "--startup-delay", "32", minutes=1)
 
     for name in ("USR2", "INT"):
         job, log = jobs[name]
@@ -271,11 +280,12 @@ def test_requested_stops_save_and_end_completed_and_usr1_requeues_bit_for_bit(sl
         text = log.read_text()
         assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", (state, text[-4000:])
         assert state["Restarts"] == "0" and "requeueing" not in text and "saved and stopped as asked" in text, text[-4000:]
-        saved = re.search(rf"SIG{name}: saved (\S+) at step (\d+)", text)
+        saved = re.search(rf"SIG{name} {MEANING}: saved (\S+) at step (\d+)", text)
         assert saved and step_of(saved.group(1)) == int(saved.group(2)) < 60, text[-4000:]
 
     job, log = jobs["USR1"]
-    saved = wait_in_log(slurm, log, r"SIGUSR1: saved (\S+) at step (\d+)")
+    assert "SIGUSR1 to the batch script (scancel --signal=USR1 --batch" in log.read_text(), log.read_text()[-4000:]
+    saved = wait_in_log(slurm, log, rf"SIGUSR1 {MEANING}: saved (\S+) at step (\d+)")
     wait_in_log(slurm, log, rf"requeueing job {job}", after=saved.end())
     resumed = wait_in_log(slurm, log, r"resumed from (\S+) at step (\d+)", after=saved.end())
     assert resumed.groups() == saved.groups(), log.read_text()[-4000:]
@@ -284,6 +294,16 @@ def test_requested_stops_save_and_end_completed_and_usr1_requeues_bit_for_bit(sl
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (state, text[-4000:])
     assert result_of(tmp_path / "USR1")["weights_sha256"] == result_of(tmp_path / "plain")["weights_sha256"], \
         "stopped by SIGUSR1 and requeued: not bit for bit"
+
+    job, log = jobs["short"]
+    state = ended(slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    text = log.read_text()
+    assert state["JobState"] == "FAILED" and state["Restarts"] == "0", (state, text[-4000:])
+    assert "time limit near (the timer below): SIGUSR1 to the training" in text, text[-4000:]
+    saved = re.search(rf"SIGUSR1 {MEANING}: saved (\S+) at step (\d+)", text)
+    assert saved and step_of(saved.group(1)) == int(saved.group(2)), text[-4000:]  # nothing lost
+    assert re.search(r"not requeueing: this attempt trained \d+ s \(\d+ steps\) after \d+ s of start-up", text) \
+        and "requeueing job" not in text, text[-4000:]
 
     job, log = jobs["cancel"]
     state = ended(slurm, job, ("CANCELLED",), 60)
@@ -306,9 +326,9 @@ def test_an_fsdp_job_at_a_short_time_limit_saves_requeues_and_ends_bit_for_bit(s
     wait_in_log(slurm, log, rf"port {20000 + slurm.first_job} is in use on \S+: using \d+, a free one")
     wait_in_log(slurm, log, r"--time is 240 s, less than twice SAVE_MARGIN=300: saving at half of it, 120 s "
                             r"before the limit")
-    saved = wait_in_log(slurm, log, r"SIGUSR1: saved (\S+) at step (\d+)")
+    saved = wait_in_log(slurm, log, rf"SIGUSR1 {MEANING}: saved (\S+) at step (\d+)")
     text = log.read_text()
-    assert "time limit near: SIGUSR1 to the training" in text, text[-4000:]
+    assert "time limit near (the timer below): SIGUSR1 to the training" in text, text[-4000:]
     assert "checkpoint-" in saved.group(1) and not saved.group(1).endswith(".pt") and int(saved.group(2)) < 16
     wait_in_log(slurm, log, rf"requeueing job {job}", after=saved.end())
     resumed = wait_in_log(slurm, log, r"resumed from (\S+) at step (\d+)", after=saved.end())

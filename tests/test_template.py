@@ -24,16 +24,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH_TIMEOUT, ROOT, launch
+from conftest import LAUNCH_TIMEOUT, ROOT, launch, split_faults
 from torch import nn
 
 from ringside import run_ranks
-from ringside.launch import quiet_env, reserved_port, torchrun_command, torchrun_script
+from ringside.launch import quiet_env, reserved_port, torchrun_command
 from tools import cluster
 
 pytestmark = pytest.mark.slow(3)  # real torchrun jobs, killed and resumed
@@ -47,19 +48,48 @@ def train(out: Path, nproc: int, *args: str, restarts: int = 0, script: Path = S
           common: list[str] = TINY) -> tuple[dict, str]:
     """Run the template to its end; return (OUT/result.json, everything it printed). Forked processes
     without restarts, torchrun with them."""
-    args = ["--out", str(out), *common, *map(str, args)]
+    args, env = split_faults(["--out", str(out), *common, *args])
     if not restarts:
-        done = launch(script, nproc, *args)
+        done = launch(script, nproc, *args, env=env)
+        log = done.stdout + done.stderr
     else:
-        try:
-            done = torchrun_script(script, nproc, *args, all_ranks=True, max_restarts=restarts, check=False,
-                                   show=False, timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired as expired:
-            pytest.fail(f"{script.name} on {nproc} processes still ran after {LAUNCH_TIMEOUT} s (a hang?): "
-                        f"{expired.stdout!r}")
-    log = done.stdout + done.stderr
+        done, log = torchrun_timed(script, nproc, *args, restarts=restarts, env=env)
     assert done.returncode == 0, log[-4000:]
     return json.loads((out / "result.json").read_text()), log
+
+
+SHUTDOWN_S: list[float] = []  # each killed rank's: from its death to torchrun's "failed" line
+
+
+def torchrun_timed(script: Path, nproc: int, *args: str, restarts: int, env: dict) -> tuple[subprocess.Popen, str]:
+    """torchrun with restarts, every line timed: where a rank kills itself, the others must be gone
+    well before torchrun's 30 s shutdown timeout (REVIEW E3: a survivor that took torchrun's SIGTERM
+    for a stop request was waited out for all of it), measured from the rank's "killing myself" line
+    to torchrun's "failed (exitcode" line."""
+    proc = subprocess.Popen(torchrun_command(script, nproc, *args, all_ranks=True, max_restarts=restarts), cwd=ROOT,
+                            env=quiet_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(LAUNCH_TIMEOUT, proc.kill)
+    watchdog.start()
+    lines, killed = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "killing myself (SIGKILL)" in line:
+                killed = time.monotonic()
+            elif killed is not None and "failed (exitcode" in line:
+                SHUTDOWN_S.append(time.monotonic() - killed)
+                killed = None
+        proc.wait()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines)
+    assert proc.returncode != -signal.SIGKILL, f"{script.name} still ran after {LAUNCH_TIMEOUT} s (a hang?): {log[-3000:]}"
+    assert "Unable to shutdown process" not in log, log[-3000:]  # torchrun waited out its timeout
+    assert all(s < 10 for s in SHUTDOWN_S), (SHUTDOWN_S, log[-3000:])
+    print(f"[shutdown after a killed rank: {', '.join(f'{s:.2f} s' for s in SHUTDOWN_S)}]")
+    return proc, log
 
 
 def template_module():
@@ -109,9 +139,10 @@ def stop_with_sigterm(script: Path, out: Path, *args: str, sig: signal.Signals =
     every step, not only where the script logs. terminal: the signal goes to torchrun's whole process
     group, as a terminal's Ctrl-C does (torchrun passes it on too: each process gets it twice).
     Returns the step it saved at."""
+    args, env = split_faults([*args, "--step-delay", "3"])
     command = torchrun_command(script, nproc, "--out", str(out), *TINY, *args, "--checkpoint-every", "1000",
-                               "--step-delay", "3", all_ranks=True)
-    proc = subprocess.Popen(command, cwd=ROOT, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               all_ranks=True)
+    proc = subprocess.Popen(command, cwd=ROOT, env=quiet_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=terminal)
     lines = []
     try:
@@ -128,7 +159,7 @@ def stop_with_sigterm(script: Path, out: Path, *args: str, sig: signal.Signals =
         if proc.poll() is None:
             proc.kill()
     log = "".join(lines)
-    assert f"{sig.name}: saved" in log, log[-4000:]
+    assert saved_by(sig.name, log), log[-4000:]
     # No process died: the one traceback is torchrun's own, which reports the signal it got.
     assert log.count("Traceback") == log.count("SignalException: Process") == 1, log[-4000:]
     newest = max(out.glob("checkpoint-*"))
@@ -136,9 +167,22 @@ def stop_with_sigterm(script: Path, out: Path, *args: str, sig: signal.Signals =
     first = int(marker.split("step ")[1].split("/")[0]) if marker.startswith("step ") else 0
     assert first + 1 <= stopped_at <= first + latest, log[-3000:]  # the step under way, and the one after it
     assert not (out / "result.json").exists()
-    assert (out / ".stopped").read_text().strip() == ("requeue" if sig == signal.SIGUSR1 else "stop")
+    assert stopped_kind(out) == ("requeue" if sig == signal.SIGUSR1 else "stop")
     no_temporary_files(out)
     return stopped_at
+
+
+def saved_by(name: str, log: str) -> bool:
+    """Whether the log has the save of a stop signal: "SIGTERM (what it means here): saved ..."."""
+    return re.search(rf"{name} \([^)]*\): saved ", log) is not None
+
+
+def stopped_kind(out: Path) -> str:
+    """OUT/.stopped's first word ("requeue" or "stop"; then the attempt's start-up and training
+    seconds and steps, for the sbatch)."""
+    kind, startup, trained, steps = (out / ".stopped").read_text().split()
+    assert int(startup) >= 0 and int(trained) >= 0 and int(steps) >= 1, (startup, trained, steps)
+    return kind
 
 
 def t_load_step(path: Path) -> int:
@@ -182,7 +226,7 @@ PHASES = {
 }
 
 
-def _trial_process(script: Path, args: list[str], port: int, write_fd: int) -> None:
+def _trial_process(script: Path, args: list[str], port: int, write_fd: int, env: dict) -> None:
     """The forked training process of one trial: a process group of its own (its loader workers
     join it: a signal to the group reaches every process, as Slurm's does), output to the pipe."""
     code = 1
@@ -201,6 +245,7 @@ def _trial_process(script: Path, args: list[str], port: int, write_fd: int) -> N
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        os.environ.update(env)
         sys.argv = [str(script), *args]
         runpy.run_path(str(script), run_name="__main__")
         code = 0
@@ -219,6 +264,7 @@ def sigterm_trial(out: Path, marker: str, delay: float, script: Path = SCRIPT,
     """Train (forked, one process), and SIGTERM (or `sig`) the whole process group `delay` s after the line
     containing `marker` appears. Returns (exit status, output, whether any process of the group
     was still alive 1 s after the training process exited)."""
+    args, env = split_faults(args)
     read_fd, write_fd = os.pipe()
     with reserved_port() as port:
         sys.stdout.flush()
@@ -226,7 +272,7 @@ def sigterm_trial(out: Path, marker: str, delay: float, script: Path = SCRIPT,
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
-            _trial_process(script, ["--out", str(out), *args], port, write_fd)
+            _trial_process(script, ["--out", str(out), *args], port, write_fd, env)
     os.close(write_fd)
     try:
         os.setpgid(pid, pid)  # (the child does it too: whichever runs first)
@@ -291,7 +337,7 @@ def test_sigterm_at_any_moment_saves_and_leaves_no_worker_behind(tmp_path):
         status, log, lingering = sigterm_trial(out, PHASES[phase], delay)
         saved = sorted(out.glob("checkpoint-*.pt"))
         problem = ("exit status %s" % status if status != 0 else
-                   "no 'SIGTERM: saved'" if "SIGTERM: saved" not in log else
+                   "no 'SIGTERM (...): saved'" if not saved_by("SIGTERM", log) else
                    "a traceback" if "Traceback" in log else
                    "no checkpoint" if not saved else
                    "a loader worker outlived the training process" if lingering else
@@ -341,8 +387,9 @@ def test_pretrained_strips_only_a_leading_module_prefix(tmp_path):
 
 def c10d_job(out: Path, *args: str, hosts: int = 2, nproc: int = 2, restarts: int = 1) -> tuple[list[int], list[str]]:
     """The same torchrun command on every host, c10d rendezvous at host 0, `restarts` allowed."""
+    args, env = split_faults(["--out", str(out), *TINY, *args])
     try:
-        done = cluster.run_job(SCRIPT, hosts, "--out", str(out), *TINY, *map(str, args), nproc_per_host=nproc,
+        done = cluster.run_job(SCRIPT, hosts, *args, nproc_per_host=nproc, env=env,
                                c10d=True, max_restarts=restarts, timeout=LAUNCH_TIMEOUT)
     except cluster.ClusterError as error:
         pytest.fail(f"{error} (a hang?)")
@@ -683,7 +730,7 @@ def test_metrics_have_one_row_per_step_after_a_resume_and_stale_temporary_files_
     out = tmp_path / "run"
     args = ["--epochs", "1", "--max-steps", "20", "--log-every", "5", "--checkpoint-every", "10",
             "--batch-size", "32", "--workers", "0"]
-    crashed = launch(SCRIPT, 1, "--out", str(out), *args, "--fail-at-step", "17")
+    crashed = launch(SCRIPT, 1, "--out", str(out), *args, env={"RINGSIDE_TEST_FAULTS": "fail_at_step=17"})
     assert crashed.returncode != 0 and (out / "checkpoint-0000010.pt").exists(), crashed.stdout[-3000:]
     (out / ".checkpoint-0000015.pt.tmp").write_bytes(b"half a checkpoint")
     result, log = train(out, 1, *args[2:], "--fail-at-step", "17", common=args[:2])
@@ -695,21 +742,21 @@ def test_metrics_have_one_row_per_step_after_a_resume_and_stale_temporary_files_
     assert re.search(r"step 20/20 .* samples/s .* s/step  ETA 0:00:00", log), log[-2000:]
 
 
-def test_help_describes_every_option_and_hides_the_test_only_ones():
+def test_help_describes_every_option_and_the_test_faults_are_no_options(monkeypatch):
+    """Every option has help; the tests' faults (a rank that kills itself, slow steps) are not options
+    of the file practitioners copy: they come from RINGSIDE_TEST_FAULTS, unset in real runs."""
     t = template_module()
     parser = t.build_parser()
-    text = parser.format_help()
     for action in parser._actions:
-        if not action.option_strings or "--help" in action.option_strings:
-            continue
-        name = action.option_strings[0]
-        if name in t.TEST_ONLY_OPTIONS:
-            assert action.help == argparse.SUPPRESS and name not in text, name
-        else:
-            assert action.help and action.help != argparse.SUPPRESS, f"{name} has no help"
-    assert set(t.TEST_ONLY_OPTIONS) == {"--fail-at-step", "--fail-rank", "--step-delay"}
-    hidden = t.parse_args(["--fail-at-step", "3", "--fail-rank", "1", "--step-delay", "0.5"])  # still accepted
-    assert (hidden.fail_at_step, hidden.fail_rank, hidden.step_delay) == ([3], 1, 0.5)
+        if action.option_strings and "--help" not in action.option_strings:
+            assert action.help and action.help != argparse.SUPPRESS, f"{action.option_strings[0]} has no help"
+    for name in ("--fail-at-step", "--fail-rank", "--step-delay"):
+        assert name not in parser._option_string_actions and name not in (ROOT / "template" / "README.md").read_text()
+    assert t.FAULTS == {}
+    assert split_faults(["--x", "1", "--fail-at-step", "-1", "--fail-at-step", 25, "--fail-rank", "3"]) == \
+        (["--x", "1"], {"RINGSIDE_TEST_FAULTS": "fail_at_step=-1,25 fail_rank=3"})
+    monkeypatch.setenv("RINGSIDE_TEST_FAULTS", "fail_at_step=-1,25 fail_rank=3 step_delay=0.5")
+    assert template_module().FAULTS == {"fail_at_step": "-1,25", "fail_rank": "3", "step_delay": "0.5"}
     assert t.parse_args([]).deterministic and not t.parse_args(["--no-deterministic"]).deterministic
 
 
@@ -780,10 +827,38 @@ def test_a_variable_length_sequence_model_adapted_where_the_readme_says_resumes_
     # (--step-delay: slow steps, so that the signal comes before the end on a slow machine too)
     status, log, lingering = sigterm_trial(tmp_path / "stopped", "step 9/24", 0.0, script=script,
                                            args=[*args, "--step-delay", "0.2"])
-    assert status == 0 and "SIGTERM: saved" in log and not lingering, log[-3000:]
+    assert status == 0 and saved_by("SIGTERM", log) and not lingering, log[-3000:]
     resumed, log = train(tmp_path / "stopped", 1, *args[2:], script=script, common=args[:2])
     assert "resumed from" in log, log[-3000:]
     assert resumed["weights_sha256"] == plain["weights_sha256"], "not bit for bit after SIGTERM and a resume"
+
+
+PLATEAU_OPTIMIZER = {  # a scheduler with state of its own, stepped with the validation metric
+    "build_optimizer": '''
+def build_optimizer(model, args, total_steps):
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # threshold 0.5: hardly any validation counts as better, so the rate halves after most of them
+    return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=1,
+                                                                 threshold=0.5)
+''',
+}
+
+
+def test_a_plateau_schedulers_state_is_saved_and_restored(tmp_path):
+    """REVIEW E6: a ReduceLROnPlateau steps after each validation with BEST_METRIC, and its counters
+    (best, bad epochs) are in the checkpoint: a run that crashes and resumes ends with the weights of
+    one that did not, bit for bit (rebuilt, it would forget its best and halve the rate later)."""
+    script = adapted_template(tmp_path, PLATEAU_OPTIMIZER)
+    args = ["--epochs", "1", "--max-steps", "14", "--batch-size", "32", "--workers", "0", "--eval-every", "2",
+            "--checkpoint-every", "5", "--log-every", "1"]
+    plain, _ = train(tmp_path / "plain", 1, *args[2:], script=script, common=args[:2])
+    rates = [r["lr"] for r in map(json.loads, (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    assert rates[0] == 0.1 and 0 < rates[-1] <= 0.1 / 4, rates  # it halved, more than once
+    out = tmp_path / "crashed"
+    crashed = launch(script, 1, "--out", str(out), *args, env={"RINGSIDE_TEST_FAULTS": "fail_at_step=13"})
+    assert crashed.returncode != 0 and (out / "checkpoint-0000010.pt").exists(), crashed.stdout[-3000:]
+    resumed, log = train(out, 1, *args[2:], script=script, common=args[:2])
+    assert "at step 10 " in log and resumed["weights_sha256"] == plain["weights_sha256"], log[-3000:]
 
 
 # --- Issue 42: every stop saves (REVIEW E), FSDP, another world size, streams ----------------------
@@ -797,8 +872,8 @@ def test_sigint_sigusr1_and_sigusr2_save_like_sigterm_and_exit_0(tmp_path):
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         out = tmp_path / sig.name
         status, log, lingering = sigterm_trial(out, PHASES["mid-epoch (workers busy)"], 0.01, sig=sig)
-        assert status == 0 and f"{sig.name}: saved" in log and "Traceback" not in log and not lingering, log[-3000:]
-        assert (out / ".stopped").read_text().strip() == ("requeue" if sig == signal.SIGUSR1 else "stop"), sig
+        assert status == 0 and saved_by(sig.name, log) and "Traceback" not in log and not lingering, log[-3000:]
+        assert stopped_kind(out) == ("requeue" if sig == signal.SIGUSR1 else "stop"), sig
         assert list(out.glob("checkpoint-*.pt")) and not (out / "result.json").exists(), sig
         no_temporary_files(out)
 
@@ -916,32 +991,83 @@ def test_fsdp_ctrl_c_saves_shards_and_a_killed_rank_resumes_bit_for_bit(tmp_path
 @pytest.mark.timeout(900)  # several torchrun jobs one after the other
 def test_fsdp_checkpoints_are_atomic_and_an_unreadable_one_is_skipped(tmp_path, fsdp_plain):
     """A DCP folder under its final name is whole (written as .checkpoint-<step>.tmp/, renamed after every
-    rank wrote); one cut off before its rename is removed at the next start and never loaded; a
-    newest one that cannot be read is skipped, the one before it loads, and the run ends bit for bit;
-    retention keeps the newest readable folders."""
+    rank wrote); one cut off before its rename is removed at the next start and never loaded; newest
+    ones that cannot be read - a cut train_state.pt, a shard file cut in half (`truncate -s 50%`) -
+    are skipped, the one before them loads on every rank, and the run ends bit for bit; retention
+    keeps the newest readable folders. Only checkpoint-<digits> counts: checkpoint-old is left alone."""
     plain, source = fsdp_plain
     out = tmp_path / "run"
     out.mkdir()
     for step in (20, 30):
         shutil.copytree(source / f"checkpoint-{step:07d}", out / f"checkpoint-{step:07d}")
     assert not (out / "checkpoint-0000010").exists()  # --keep 2: the oldest went
-    (out / "checkpoint-0000030" / "train_state.pt").write_bytes(b"cut off")
+    shard = out / "checkpoint-0000030" / "__1_0.distcp"  # rank 1's shards, cut to half (the review's `truncate -s 50%`)
+    os.truncate(shard, shard.stat().st_size // 2)
+    shutil.copytree(source / "checkpoint-0000020", out / "checkpoint-0000040")
+    (out / "checkpoint-0000040" / "train_state.pt").write_bytes(b"cut off")
     shutil.copytree(source / "checkpoint-0000020", out / ".checkpoint-0000025.tmp")  # a save cut off mid-write
     (out / ".checkpoint-0000025.tmp" / "train_state.pt").unlink()
+    (out / "checkpoint-old").mkdir()  # a name of one's own: not a checkpoint
+    (out / "checkpoint-old" / "notes.txt").write_text("mine")
     t = template_module()
-    assert not t.readable(out / "checkpoint-0000030") and t.readable(out / "checkpoint-0000020")
+    assert [p.name for p in t.checkpoints(out)] == ["checkpoint-0000040", "checkpoint-0000030", "checkpoint-0000020"]
+    assert not t.readable(out / "checkpoint-0000040") and not t.readable(out / "checkpoint-0000030")
+    assert t.readable(out / "checkpoint-0000020")
     resumed, log = train(out, 2, *FSDP_ARGS, "--workers", "0")
-    assert "checkpoint-0000030 cannot be read" in log and "at step 20 " in log, log[-3000:]
+    assert "checkpoint-0000040 cannot be read" in log, log[-3000:]
+    assert re.search(r"checkpoint-0000030 cannot be read \(OSError: __1_0.distcp is cut off \(\d+ of \d+ bytes\)\)",
+                     log) and "at step 20 " in log and "Traceback" not in log, log[-3000:]
     assert resumed["weights_sha256"] == plain["weights_sha256"]
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-0000020", "checkpoint-0000030"]
+    assert sorted(p.name for p in out.glob("checkpoint-0*")) == ["checkpoint-0000020", "checkpoint-0000030"]
+    assert (out / "checkpoint-old" / "notes.txt").read_text() == "mine"
     assert t.readable(out / "checkpoint-0000030")  # written again, whole
     no_temporary_files(out)
 
 
+def test_bad_input_is_refused_in_one_line_and_nothing_is_lost(tmp_path, fsdp_plain):
+    """REVIEW E4: a missing --pretrained file, weights of another model, a checkpoint of another model
+    (DDP file, FSDP folder): each stops every rank at start with one line saying what and what to
+    do, no traceback, and nothing in OUT changed. --resume is not used once OUT has checkpoints of
+    its own (a restart or requeue of the same command goes on from those)."""
+    def refused(nproc: int, *args: str, script: Path = SCRIPT) -> str:
+        done = launch(script, nproc, *TINY, *args)
+        log = done.stdout + done.stderr
+        assert done.returncode != 0 and "Traceback" not in log and "process(es), backend" not in log, log[-3000:]
+        return log
+
+    out = tmp_path / "run"
+    missing = tmp_path / "missing.pt"
+    log = refused(2, "--out", str(out), "--pretrained", str(missing))
+    assert log.count(f"--pretrained {missing}: no such file or folder") == 2, log[-3000:]  # each rank, at once
+    other = tmp_path / "other.pt"
+    torch.save({"0.0.weight": torch.zeros(4, 1, 3, 3), "head.weight": torch.zeros(2)}, other)
+    log = refused(1, "--out", str(out), "--pretrained", str(other))
+    assert re.search(rf"--pretrained {re.escape(str(other))} holds another model's weights: \d+ of the model's tensors "
+                     r"missing \(e.g. [\w.]+\); 1 tensors the model does not have \(e.g. head.weight\); 1 of another "
+                     r"shape \(e.g. 0.0.weight is \(4, 1, 3, 3\), the model's \(16, 1, 3, 3\)\)", log), log[-3000:]
+    # A DDP checkpoint of another model in OUT (and a folder of one's own, checkpoint-old, left alone).
+    out.mkdir(exist_ok=True)
+    ckpt = out / "checkpoint-0000010.pt"
+    torch.save({"step": 10, "epoch": 0, "consumed": 320, "model": {"weight": torch.zeros(2)}}, ckpt)
+    written = ckpt.read_bytes()
+    (out / "checkpoint-old").mkdir()
+    log = refused(2, "--out", str(out), "--batch-size", "16", "--resume", str(other))
+    assert f"--resume {other} not used: {out} has checkpoints of its own" in log, log[-3000:]
+    assert log.count(f"{ckpt} holds another model's weights: ") == 2 and "1 tensors the model does not have (e.g. " \
+        "weight). Resume with the model it was written with, or start afresh with a new --out" in log, log[-3000:]
+    assert ckpt.read_bytes() == written and sorted(p.name for p in out.iterdir()) == [ckpt.name, "checkpoint-old"]
+    # An FSDP checkpoint (a DCP folder) of another model: the template with another build_model.
+    script = adapted_template(tmp_path, {"build_model": DENSE["build_model"]})
+    source = fsdp_plain[1] / "checkpoint-0000020"
+    log = refused(2, "--out", str(tmp_path / "fsdp"), *FSDP_ARGS, "--workers", "0", "--resume", str(source),
+                  script=script)
+    assert log.count(f"{source} holds another model's weights: ") == 2 and "of the model's tensors missing" in log, log[-3000:]
+
+
 def crash_at(out: Path, nproc: int, step: int, *args: str) -> str:
-    """Train under torchrun until rank 0 kills itself before `step` (no restart): the checkpoints
-    stay. Returns the log."""
-    done = launch(SCRIPT, nproc, "--out", str(out), *TINY, *args, "--fail-at-step", str(step), torchrun=True)
+    """Train (forked ranks: no torchrun, no `import torch` per rank) until rank 0 kills itself before
+    `step`: the others see the dead peer and exit at once; the checkpoints stay. Returns the log."""
+    done = launch(SCRIPT, nproc, "--out", str(out), *TINY, *args, env={"RINGSIDE_TEST_FAULTS": f"fail_at_step={step}"})
     log = done.stdout + done.stderr
     assert done.returncode != 0 and f"killing myself (SIGKILL) before step {step}" in log, log[-3000:]
     return log
@@ -981,9 +1107,9 @@ def test_fsdp_at_one_process_and_on_two_nodes_of_two_resumes_bit_for_bit(tmp_pat
     """--fsdp at 1 process, and at 4 as 2 nodes x 2 processes (RANK differs from LOCAL_RANK on node 1,
     and each rank writes its own shard of the DCP checkpoint): each run resumed from its older kept
     checkpoint ends with its uninterrupted run's weights, bit for bit; and 2 nodes x 2 train exactly
-    as 4 processes on one node."""
-    def run(out: Path, nproc: int, nnodes: int = 1) -> tuple[dict, str]:
-        done = launch(SCRIPT, nproc, "--out", str(out), *TINY, *FSDP_ARGS, "--workers", "0", nnodes=nnodes)
+    as 4 processes on one node. The resumed runs start in a new --out, from `--resume CHECKPOINT`."""
+    def run(out: Path, nproc: int, nnodes: int = 1, *extra: str) -> tuple[dict, str]:
+        done = launch(SCRIPT, nproc, "--out", str(out), *TINY, *FSDP_ARGS, "--workers", "0", *extra, nnodes=nnodes)
         log = done.stdout + done.stderr
         assert done.returncode == 0, log[-4000:]
         return json.loads((out / "result.json").read_text()), log
@@ -992,11 +1118,10 @@ def test_fsdp_at_one_process_and_on_two_nodes_of_two_resumes_bit_for_bit(tmp_pat
         plain, log = run(tmp_path / name, nproc, nnodes)
         assert plain["step"] == 30 and plain["world_size"] == nproc * nnodes, plain
         resumed_out = tmp_path / f"{name}-resumed"
-        resumed_out.mkdir()
         oldest = min((tmp_path / name).glob("checkpoint-*"))  # --keep 2: at 4 processes, an epoch's end is one
-        shutil.copytree(oldest, resumed_out / oldest.name)
-        resumed, log = run(resumed_out, nproc, nnodes)
-        assert f"at step {t_load_step(oldest)} " in log and t_load_step(oldest) < 30 and resumed["step"] == 30, log[-3000:]
+        resumed, log = run(resumed_out, nproc, nnodes, "--resume", str(oldest))
+        assert f"resumed from {oldest} at step {t_load_step(oldest)} " in log and t_load_step(oldest) < 30 \
+            and resumed["step"] == 30, log[-3000:]
         assert resumed["weights_sha256"] == plain["weights_sha256"], f"FSDP at {nnodes} x {nproc}: not bit for bit"
         if nnodes == 2:
             one_node, _ = run(tmp_path / "one-node", 4)
