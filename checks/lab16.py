@@ -188,10 +188,11 @@ def kept_alive(got: list[torch.Tensor], numel: int, n_ranks: int, size: int) -> 
             whole = (size * n_ranks) * g.element_size()
             what = (f"the whole padded vector ({size * n_ranks} elements)" if held == whole
                     else f"{held // g.element_size()} elements")
-            return (f"shard_of({elements(numel)}, world_size={n_ranks}) for rank {r} returned {g.numel()} elements "
-                    f"that keep {held} bytes of storage alive, {what}, where the shard needs {own}: the shard keeps "
-                    f"the whole padded unit alive (a view of a temporary), so memory is not sharded - return a new "
-                    f"tensor of its own (.clone() the piece)")
+            return (f"shard_of({elements(numel)}, world_size={n_ranks}) for rank {r} returned {elements(g.numel())} "
+                    f"whose storage holds {held} bytes, {what}, where the shard needs {own}: the shard keeps "
+                    + ("the whole padded unit alive" if held == whole else "a larger tensor alive")
+                    + " (a view of a temporary), so memory is not sharded - return a new tensor of its own "
+                      "(.clone() the piece)")
     return None
 
 
