@@ -78,9 +78,11 @@ def unwaited_diagnosis(name: str, calls: Iterable) -> str | None:
         return None
     kinds = sorted({call["kind"] for call in left})
     receives = sorted({call["peer"] for call in left if "recv" in call["kind"]}, key=str)
+    writes = any(not call["p2p"] for call in left)  # a collective's result, like a receive, arrives later
     return (f"{name} returned with {len(left)} request(s) never waited for ({' and '.join(kinds)}"
             + (f" from rank(s) {receives}" if receives else "") + "): "
             + ("a receive has not necessarily arrived when the function returns" if receives else
+               "its result has not necessarily arrived when it is read" if writes else
                "the caller may change the tensor while it is still being sent")
             + " - wait on every request before returning")
 
