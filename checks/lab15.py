@@ -117,11 +117,17 @@ def rehearse_groups(world: int, per_host: int, rank: int) -> tuple[list[Token], 
     names = {"new_group": new_group, "get_rank": lambda group=None: rank,
              "get_world_size": lambda group=None: world}
     originals = {name: getattr(c10d, name) for name in names}
+
+    def bound(module, name):  # a module's attribute, None where reading it fails (lazy modules)
+        try:
+            return getattr(module, name, None)
+        except Exception:
+            return None
     modules = [dist, c10d] + [m for m in list(sys.modules.values())
                               if m is not None and m not in (dist, c10d)
-                              and getattr(m, "new_group", None) is originals["new_group"]]
+                              and bound(m, "new_group") is originals["new_group"]]
     saved = [(module, name, getattr(module, name)) for module in modules for name in names
-             if getattr(module, name, None) is originals[name] or module in (dist, c10d)]
+             if module in (dist, c10d) or bound(module, name) is originals[name]]
     for module, name, _ in saved:
         setattr(module, name, names[name])
     try:
