@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ringside import Checks, Rank, print_ranked, run_lab
+from ringside.calls import Recorder, lab_namespaces
+from ringside.effects import never_waited, unwaited_diagnosis
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -102,7 +104,16 @@ def check_sum(checks: Checks, device: torch.device) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for case in range(3):
         values = [values_for(case, r) for r in range(world_size)]
-        total = lab.sum_over_ranks(values[rank], device)
+        with Recorder(namespaces=lab_namespaces(lab.sum_over_ranks)) as calls:
+            total = lab.sum_over_ranks(values[rank], device)
+        unwaited = unwaited_diagnosis("sum_over_ranks", calls.calls)
+        for call in never_waited(calls.calls):  # finished here, so the check's own messages do not meet it
+            if call.get("work") is not None:
+                call.work.wait()
+        if unwaited:  # an effect whatever value it happened to read: on another run, another value
+            checks.fail(f"{unwaited} (read before it arrives, the same code gives the sum on one run and a "
+                        f"rank's own value on the next)")
+            return
         if isinstance(total, torch.Tensor):
             checks.fail(f"sum_over_ranks returned a tensor {total}: return a Python int (int(t.item()))")
             return

@@ -321,18 +321,36 @@ def check_data(checks: Checks, seen: list[list[int]], sampler) -> bool:
         ok = checks.expect(False, f"the ranks' samples do not split the {lab.SAMPLES} samples exactly - use "
                                   f"DistributedSampler (it gives rank r every world_size-th index of one "
                                   f"shuffled order)")
-    if len(set(told)) > 1:
-        return checks.expect(False, f"the ranks' samplers were last told the epochs {told} (rank by rank), so "
-                                    f"their orders differ and their shares overlap - call "
-                                    f"loader.sampler.set_epoch(epoch) on every rank, not under a rank condition")
-    # Told epoch by epoch: the sampler remembers the last set_epoch; the samples show the order.
-    same_order = any(len(s) > 1 and s[0] == s[1] for s in seens)
-    if told[0] != lab.EPOCHS - 1 or same_order:
-        ok = checks.expect(False, f"the sampler was last told epoch {told[0]}, after {lab.EPOCHS} epochs "
-                                  f"(0..{lab.EPOCHS - 1})"
-                                  + (" and the samples came in the same order in every epoch" if same_order else "")
-                                  + " - call loader.sampler.set_epoch(epoch) at the start of each epoch")
+    # Judged by the orders each epoch used (what the sampler yielded then), not by the epoch the sampler
+    # was last told: set_epoch(epoch) at the start and set_epoch(epoch + 1) at the end give the same orders.
+    for epoch in range(lab.EPOCHS):
+        used = [set(s[epoch]) for s in seens]
+        if [set(shard) for shard in reference_shards(epoch, world_size)] == used:
+            continue
+        if len(set(told)) > 1:
+            return checks.expect(False, f"in epoch {epoch} the ranks' samplers used different orders (last told the "
+                                        f"epochs {told}, rank by rank), so their shares overlap - call "
+                                        f"loader.sampler.set_epoch(epoch) on every rank, not under a rank condition")
+        again = next((e for e in range(epoch) if [set(s[e]) for s in seens] == used), None)
+        if again is not None:
+            return checks.expect(False, f"epoch {epoch} took its samples in the same order as epoch {again}: the "
+                                        f"sampler was not told the new epoch before its batches - call "
+                                        f"loader.sampler.set_epoch(epoch) at the start of each epoch")
+        return checks.expect(False, f"in epoch {epoch} the ranks' samples are not those of a DistributedSampler with "
+                                    f"seed=SEED told set_epoch({epoch}) - call loader.sampler.set_epoch(epoch) at the "
+                                    f"start of each epoch")
     return ok
+
+
+def reference_shards(epoch: int, world_size: int) -> list[list[int]]:
+    """What DistributedSampler(seed=SEED) gives each rank in `epoch` (the lab's data set size)."""
+    shards = []
+    for rank in range(world_size):
+        sampler = DistributedSampler(range(lab.SAMPLES), num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=lab.SEED)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return shards
 
 
 def check_logging(checks: Checks, printed: str) -> None:

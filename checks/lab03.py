@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import COLLECTIVES as RECORDED
 from ringside.calls import Recorder, lab_namespaces
+from ringside.effects import unwaited_diagnosis
 from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -54,31 +55,21 @@ def p2p_mistakes(calls: Recorder, name: str, ring: bool = False, returned: bool 
     """What the recorded calls did that the lab's contract rules out, whatever the values came out
     as: each is an effect of the calls (whom they talked to, when they completed), and each is
     required by the function's docstring ("name the peer of every recv"; all_gather: "a ring: each
-    rank talks to its two neighbours only", each step "posted together ... in one
-    dist.batch_isend_irecv call"); a request left in flight when the function returned is a result
-    not yet there (a receive) or a buffer the caller may change while it is still being sent."""
+    rank talks to its two neighbours only", each step's send and receive posted at once and both
+    waited for before the next step: plain isend/irecv or one dist.batch_isend_irecv alike); a request
+    left in flight when the function returned is a result not yet there (a receive) or a buffer the
+    caller may change while it is still being sent (ringside.effects names it)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     found = []
     if any(op["kind"] in ("recv", "irecv") and op["peer"] is None for op in calls.ops):
         found.append(f"{name} called recv without src: a receive from any rank takes whichever message comes "
                      f"first (at 3 or more ranks not always the one you meant), and NCCL has no such receive - "
                      f"name the sender: dist.recv(t, src=peer)")
-    unwaited = [op for op in calls.ops if not op["completed"]] if returned else []
+    unwaited = unwaited_diagnosis(name, calls.ops) if returned else None
     if unwaited:
-        kinds = sorted({op["kind"] for op in unwaited})
-        found.append(f"{name} returned with {len(unwaited)} request(s) never waited for ({' and '.join(kinds)}"
-                     + (f" from rank(s) {sorted({op['peer'] for op in unwaited if 'recv' in op['kind']})}"
-                        if any("recv" in op["kind"] for op in unwaited) else "")
-                     + "): " + ("a receive has not necessarily arrived when the function returns"
-                                if any("recv" in op["kind"] for op in unwaited) else
-                                "the caller may change the tensor while it is still being sent")
-                     + " - wait on every request before returning")
+        found.append(unwaited)
     if not ring:
         return found
-    loose = [op for op in calls.ops if not op["batch"]]
-    if loose:
-        found.append(f"{name} posted a {loose[0]['kind']} outside dist.batch_isend_irecv: each step's send and "
-                     f"receive run at once, and NCCL wants such pairs posted together as one group")
     sends = [op for op in calls.ops if "send" in op["kind"]]
     recvs = [op for op in calls.ops if "recv" in op["kind"]]
     if any(r["ptr"] == t["ptr"] and (r["index"] in t["pending"] or t["index"] in r["pending"])

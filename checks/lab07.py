@@ -151,8 +151,7 @@ def stats_finding(result, rank: int, world_size: int) -> str | None:
         return f"{said}: they are this rank's own statistics - are the statistics all_reduced?"
     if near(got_mean, mean_of_means(world_size)):
         return (f"{said}: the mean is the average of the ranks' means, but the batches have unequal sizes "
-                f"{sizes} - are you averaging means instead of weighting by count? all_reduce the count, the sum "
-                "and the sum of squares")
+                f"{sizes} - are you averaging means instead of weighting by count? {WEIGHT_BY_COUNT}")
     if not near(count, n):  # which wrong count it is (a wrong one can equal the right one elsewhere)
         if near(count, n / world_size) and near(got_mean, mean):
             return (f"{said}: count is the average of the ranks' counts ({n / world_size:g}), not their sum {n} - "
@@ -252,6 +251,12 @@ def forward_variants(rank: int, world_size: int) -> dict[str, tuple[torch.Tensor
     }
 
 
+# The advice after averaging means: weight by count, and in float64 (a float32 sum of squares then
+# Q/n - mean^2 cancels to nothing on a channel with a large mean and a small spread: the next run's failure).
+WEIGHT_BY_COUNT = ("all_reduce the count, the sum and the sum of squares, summed in float64 (in float32, Q/n - mean^2 "
+                   "cancels on a channel with a large mean and a small spread) - or all_gather each rank's count, "
+                   "mean and variance and combine them weighted by count")
+
 MOMENTUM_SWAPPED = ("momentum is the weight of the new value: running = (1 - momentum) * running + "
                     "momentum * batch statistic (PyTorch's convention, the opposite of an optimizer's)")
 
@@ -266,7 +271,7 @@ def check_forward(checks: Checks, got: dict, ref: dict, rank: int, world_size: i
     if close(got["running_mean"], MOMENTUM * mean_of_means(world_size)):
         hint = ("the mean is the average of the ranks' means, but the batches have unequal sizes "
                 f"{batch_sizes(world_size)} - are you averaging means instead of weighting by count? "
-                "all_reduce the count, the sum and the sum of squares")
+                + WEIGHT_BY_COUNT)
     else:
         hint = next((h for t, h in forward_variants(rank, world_size).values() if close(got["output"], t)),
                     "global_channel_stats is right, so the normalization with them is not BatchNorm's: none of the "

@@ -238,6 +238,8 @@ def scale_variants(grads: list[torch.Tensor]) -> dict[str, tuple[list[float], st
     skips following from the scale as in a real run), with the hint for each."""
     kinds = {
         "no reset after growth": "after a growth the count of clean steps must restart at 0 as well",
+        "no reset after growth, >=": "after a growth the count of clean steps must restart at 0 as well (without "
+                                     "the reset, `>=` grows the scale at every clean step after the first growth)",
         "grows one step late": "grow when the count of clean steps in a row reaches growth_interval "
                                f"({GROWTH_INTERVAL}), not one step later",
         "grows one step early": f"grow when the count of clean steps reaches growth_interval ({GROWTH_INTERVAL}), "
@@ -257,10 +259,11 @@ def scale_variants(grads: list[torch.Tensor]) -> dict[str, tuple[list[float], st
             else:
                 count += 1
                 due = {"grows one step late": count == GROWTH_INTERVAL + 1,
+                       "no reset after growth, >=": count >= GROWTH_INTERVAL,
                        "grows one step early": count == GROWTH_INTERVAL - 1}.get(kind, count == GROWTH_INTERVAL)
                 if due:
                     scale *= grow
-                    count = count if kind == "no reset after growth" else 0
+                    count = count if kind.startswith("no reset after growth") else 0
             scales.append(scale)
         out[kind] = (scales, hint)
     return out
@@ -323,8 +326,13 @@ def diagnose_replay(mine, ref, grads) -> str | None:
                 return (f"{what}: the scale did not back off after a skipped step (yours {scales[t]:g}, "
                         f"GradScaler's {ref_scales[t]:g}) - on inf or NaN multiply it by backoff_factor")
             if scales[t] > ref_scales[t]:
+                # which event the count should have restarted after: the last one GradScaler saw
+                last = next((u for u in range(t - 1, -1, -1)
+                             if ref_scales[u] != (ref_scales[u - 1] if u else INIT_SCALE)), None)
+                grew = last is not None and ref_scales[last] > (ref_scales[last - 1] if last else INIT_SCALE)
                 return (f"{what}: your scale grew to {scales[t]:g} too early (GradScaler: {ref_scales[t]:g}) - "
-                        f"after a skipped step the count of clean steps must restart at 0")
+                        + (f"after the growth at step {last} the count of clean steps must restart at 0 as well"
+                           if grew else "after a skipped step the count of clean steps must restart at 0"))
             return (f"{what}: your scale is {scales[t]:g}, GradScaler's {ref_scales[t]:g} - grow when the count "
                     f"of clean steps in a row reaches growth_interval ({GROWTH_INTERVAL})")
     return None

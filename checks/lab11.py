@@ -7,6 +7,7 @@ lab's X (this module never imports the lab).
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import io
 import pickle
@@ -21,12 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.capstone import ACCURACY_BAND, Progress, Result, amp_dtype, join_group, load_data, parse_args
 from ringside.compare import all_gather_tensor, flat_params, max_diff
-from ringside.syncbn import SyncBatchNorm
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -34,7 +34,8 @@ lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 # --- The checks -----------------------------------------------------------------------------------
 
 
-def check_sharding(checks: Checks, result: Result, train_size: int, args: argparse.Namespace, me: Rank) -> None:
+def check_sharding(checks: Checks, result: Result, train_size: int, args: argparse.Namespace, me: Rank,
+                   batches: "BatchLog") -> None:
     batch = args.batch_size // me.world_size
     share = -(-train_size // me.world_size)  # DistributedSampler's share per rank
     expected = share // batch  # in full batches
@@ -49,9 +50,17 @@ def check_sharding(checks: Checks, result: Result, train_size: int, args: argpar
         hint = "too little data per rank"
     checks.expect(steps == expected, f"an epoch has {steps} steps per rank, expected {expected}: {hint}")
     sampler = result.loader.sampler
-    checks.expect(isinstance(sampler, DistributedSampler) and sampler.epoch == args.epochs - 1,
-                  f"after {args.epochs} epochs the sampler's epoch is {getattr(sampler, 'epoch', None)}: "
-                  f"every epoch saw the same order - call loader.sampler.set_epoch(epoch) each epoch")
+    # Judged by what the sampler yielded, epoch by epoch (the batches train took, before augmentation),
+    # whatever its class: lab 06's own ShardSampler is a drop-in for DistributedSampler.
+    by_epoch: dict[int, list[str]] = {}
+    for epoch, _, _, fingerprint in batches.records:
+        by_epoch.setdefault(epoch, []).append(fingerprint)
+    epochs = sorted(by_epoch)
+    again = next(((e, f) for i, e in enumerate(epochs) for f in epochs[:i] if by_epoch[e] == by_epoch[f]), None)
+    checks.expect(again is None,
+                  f"epoch {again and again[0]} trained the very batches of epoch {again and again[1]}, in the same "
+                  f"order: the sampler was not told the new epoch - call loader.sampler.set_epoch(epoch) each "
+                  f"epoch, before its batches")
     every = [None] * me.world_size
     dist.all_gather_object(every, list(sampler))
     covered = len(set().union(*map(set, every)))
@@ -104,7 +113,7 @@ def check_augment(checks: Checks, train_set: TensorDataset, me: Rank) -> None:
                   "not from a fixed seed")
 
 
-def check_replicas(checks: Checks, model: nn.Module) -> None:
+def check_replicas(checks: Checks, model: nn.Module, train_set: TensorDataset) -> None:
     weights = flat_params(model)
     if not checks.expect(bool(torch.isfinite(weights).all()),
                          "the weights are NaN or inf after training: a step was taken with inf or NaN "
@@ -114,11 +123,35 @@ def check_replicas(checks: Checks, model: nn.Module) -> None:
     worst = max(max_diff(copies[0], other) for other in copies)
     checks.expect(worst == 0.0, f"the ranks' weights differ after training (max diff {worst:.2e}): "
                                 f"did you wrap the model in DDP, so that gradients are averaged?")
-    modules = list(model.modules())
-    batchnorms = [m for m in modules if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    checks.expect(all(isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm)) for m in batchnorms),
-                  "some BatchNorm layers are not synchronized: each rank normalizes with its own "
-                  "small batch - call convert_sync_batchnorm(net) before wrapping in DDP")
+    # Judged by the effect, whatever the layers' class (lab 07's own SyncBatchNorm is right too): one
+    # training-mode forward of a copy, each rank on other images; synchronized statistics leave every
+    # rank's running statistics equal, a rank's own batch statistics do not.
+    net = copy_module(model)
+    stats = [b for name, b in net.named_buffers() if name.rsplit(".", 1)[-1] in ("running_mean", "running_var")]
+    if not stats:
+        return
+    images = images_for_rank(net, train_set, dist.get_rank())
+    net.train()
+    with torch.no_grad():
+        net(images)
+    mine = torch.cat([b.detach().flatten().float() for b in stats])
+    worst = max(max_diff(mine, other) for other in all_gather_tensor(mine))
+    checks.expect(worst <= 1e-5,
+                  f"after one training-mode forward on other images on each rank, the BatchNorm running statistics "
+                  f"differ between ranks (max diff {worst:.2e}): some BatchNorm layers are not synchronized, so "
+                  f"each rank normalizes with its own small batch - call convert_sync_batchnorm(net) before "
+                  f"wrapping in DDP")
+
+
+def copy_module(model: nn.Module) -> nn.Module:
+    """A copy of the trained network (inside DDP), so the check's forward changes nothing of the run's."""
+    return copy.deepcopy(getattr(model, "module", model))
+
+
+def images_for_rank(net: nn.Module, train_set: TensorDataset, rank: int) -> torch.Tensor:
+    """16 training images, others on each rank, on the network's device."""
+    device = next(net.parameters()).device
+    return train_set.tensors[0][16 * rank:16 * (rank + 1)].to(device)
 
 
 AMP_HINTS = {
@@ -531,9 +564,9 @@ def main(checks: Checks) -> None:
     if result is None:
         return
     train_set, test_set = load_data(args)
-    check_sharding(checks, result, len(train_set), args, me)
+    check_sharding(checks, result, len(train_set), args, me, batches)
     check_augment(checks, train_set, me)
-    check_replicas(checks, result.model)
+    check_replicas(checks, result.model, train_set)
     check_amp_step(checks, me)
     check_evaluation(checks, result, test_set)
     check_accuracy(checks, result, args)

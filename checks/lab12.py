@@ -118,7 +118,8 @@ def check_async(checks: Checks, events: list, rank: int) -> None:
                     f"network - launch it asynchronously and wait later")
 
 
-def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], rank: int) -> bool:
+def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], rank: int,
+                 sync_at_forward: list | None = None) -> bool:
     """Read the recorded order of events, window by window: `buckets` are the lab's buckets
     (make_buckets, already checked) and `sizes` their element counts. False at the first finding."""
     n_buckets = len(buckets)
@@ -142,6 +143,16 @@ def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], 
             checks.fail(f"rank {rank}, window {w}: {len(segments)} forward passes, expected {lab.ACCUM} micro-batches")
             return False
         early = sum(e[0] == "launch" for s in segments[:-1] for e in s)
+        # sync as the forward found it (a pre-hook on the model), not as the learner's forward set its flag
+        at = (w - 1) * lab.ACCUM
+        synced = [k for k in range(lab.ACCUM - 1)
+                  if sync_at_forward is not None and at + k < len(sync_at_forward) and sync_at_forward[at + k]]
+        if early and synced:  # DDP decides at the forward: a forward with sync on makes its backward reduce
+            checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} micro-batches: "
+                        f"the forward of micro-batch {synced[0]} ran with sync on (outside no_sync()), so its backward "
+                        f"reduces, as DDP's would - in train_window run each accumulating micro-batch's forward AND "
+                        f"backward inside `with model.no_sync():`")
+            return False
         if early:
             checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} micro-batches "
                         f"- reducing during accumulation wastes {lab.ACCUM - 1} of every {lab.ACCUM} communications: "
@@ -484,6 +495,8 @@ def main(me: Rank, checks: Checks) -> None:
     if not check_buckets(checks, params, buckets):
         return
     hand = lab.HandDDP(model)
+    sync_at_forward: list = []  # model.sync when each forward began: was it inside no_sync()?
+    hand.register_forward_pre_hook(lambda module, args: sync_at_forward.append(getattr(module, "sync", None)))
     sizes = [sum(params[i].numel() for i in bucket) for bucket in buckets]
     print0(f"{len(params)} parameters in {len(buckets)} buckets: {buckets}")
     grads = []
@@ -502,7 +515,7 @@ def main(me: Rank, checks: Checks) -> None:
     kept = len({id(b()) for b in buffers if b() is not None})
     # The gradients are compared only when the order of events is right: a step taken before the
     # wait, say, would also show up as wrong gradients, and the first finding is the one to fix.
-    if (check_events(checks, events, buckets, sizes, me.rank)
+    if (check_events(checks, events, buckets, sizes, me.rank, sync_at_forward)
             and check_contents(checks, events, buckets, own_grads, me.world_size, me.rank)
             and check_gradients(checks, names, grads, ref_grads, own_grads, me.world_size, me.rank)):
         check_weights(checks, model, ref_weights, me.rank)

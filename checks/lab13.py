@@ -141,7 +141,8 @@ def check_average(checks: Checks, me: Rank) -> bool:
     if "all_reduce" in names:
         extra = ring_bytes_sent(calls, me.world_size) - ring_bytes_sent([("reduce_scatter_tensor", n * 4)], me.world_size)
         checks.fail(f"average_grad_shard called all_reduce: it sends 2(N-1)/N of the gradient from each rank "
-                    f"({extra:.0f} bytes more here than one reduce-scatter) and leaves every rank the whole "
+                    f"(on this check's {n}-element float32 test gradient at {me.world_size} ranks: {extra:.0f} "
+                    f"bytes more from each rank than one reduce-scatter) and leaves every rank the whole "
                     f"average - ZeRO uses reduce-scatter, so each rank receives only the shard it updates")
         return False
     if not any(name.startswith("reduce_scatter") for name in names):

@@ -30,6 +30,7 @@ from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
+from ringside.effects import Inputs, storage_excess
 from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -138,12 +139,12 @@ def elements(n: int) -> str:
 def shard_of_mistake(numel: int, n_ranks: int) -> str | None:
     """What is wrong with shard_of for a vector of `numel` elements at `n_ranks` ranks, or None."""
     flat = torch.arange(1.0, numel + 1.0)
-    kept = flat.clone()
+    inputs = Inputs(flat=flat)
     size = -(-numel // n_ranks)
     padded = torch.cat([flat, torch.zeros(size * n_ranks - numel)])
     want = [padded[r * size:(r + 1) * size] for r in range(n_ranks)]
     got = [lab.shard_of(flat, r, n_ranks) for r in range(n_ranks)]
-    if not torch.equal(flat, kept):
+    if inputs.changed():
         return f"shard_of changed the vector it was given ({elements(numel)}, world_size={n_ranks}): leave it as it is"
     if any(g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for g in got):
         return ("shard_of returned a view of its input: the shard must be a new tensor (.clone()), or the optimizer "
@@ -159,7 +160,7 @@ def shard_of_mistake(numel: int, n_ranks: int) -> str | None:
         return (f"shard_of({elements(numel)}, world_size={n_ranks}) gave shards of {[g.numel() for g in got]} "
                 f"elements: {why} (all-gather and reduce-scatter need equal pieces)")
     if all(torch.equal(g, w) for g, w in zip(got, want)):
-        return None
+        return kept_alive(got, numel, n_ranks, size)
     # A known mistake is named only when what it predicts holds on every rank.
     real = [max(0, min(size, numel - r * size)) for r in range(n_ranks)]
     if all(torch.equal(g[:k], w[:k]) for g, w, k in zip(got, want, real)):
@@ -176,6 +177,23 @@ def shard_of_mistake(numel: int, n_ranks: int) -> str | None:
     r = next(r for r in range(n_ranks) if not torch.equal(got[r], want[r]))
     return (f"shard_of({elements(numel)}, world_size={n_ranks}) for rank {r} returned {got[r].tolist()}, expected "
             f"{want[r].tolist()}")
+
+
+def kept_alive(got: list[torch.Tensor], numel: int, n_ranks: int, size: int) -> str | None:
+    """Memory, an effect: a shard must hold only its own elements. A view into a larger temporary (the
+    padded vector) keeps that whole temporary alive, so nothing is sharded. None if every shard is its own."""
+    for r, g in enumerate(got):
+        if (excess := storage_excess(g)) is not None:
+            held, own = excess
+            whole = (size * n_ranks) * g.element_size()
+            what = (f"the whole padded vector ({size * n_ranks} elements)" if held == whole
+                    else f"{held // g.element_size()} elements")
+            return (f"shard_of({elements(numel)}, world_size={n_ranks}) for rank {r} returned {elements(g.numel())} "
+                    f"whose storage holds {held} bytes, {what}, where the shard needs {own}: the shard keeps "
+                    + ("the whole padded unit alive" if held == whole else "a larger tensor alive")
+                    + " (a view of a temporary), so memory is not sharded - return a new tensor of its own "
+                      "(.clone() the piece)")
+    return None
 
 
 def check_shard_of(checks: Checks, me: Rank) -> bool:

@@ -47,13 +47,13 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: in
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
     """Like dist.all_gather(tensor_list, tensor): on every rank, tensor_list[r] receives rank r's
-    tensor. Build it as a ring: each rank talks to its two neighbours only, and every step's
-    messages are posted together as a list of dist.P2POp in one dist.batch_isend_irecv call
-    (NCCL wants a step's send and receive grouped)."""
+    tensor. Build it as a ring: each rank talks to its two neighbours only; at each step post the
+    send and the receive at once (dist.isend and dist.irecv, or both as dist.P2POp in one
+    dist.batch_isend_irecv call, which NCCL launches as one group) and wait for both before the next step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
     # HINT 1: N-1 steps; at each, send one slot to the right neighbour and receive one from the left, at once (with blocking calls every rank would send first and wait for ever), and wait for both before the next step. Start with your own tensor in your own slot; at each step send on the slot that arrived at the step before (at step 0: your own)
-    # HINT 2: at step s rank r sends slot (r - s) % N to the right and receives slot (r - s - 1) % N from the left: ops = [dist.P2POp(dist.isend, ..., right), dist.P2POp(dist.irecv, ..., left)], then wait on every request of dist.batch_isend_irecv(ops)
+    # HINT 2: at step s rank r sends slot (r - s) % N to the right and receives slot (r - s - 1) % N from the left: ops = [dist.P2POp(dist.isend, ..., right), dist.P2POp(dist.irecv, ..., left)], then wait on every request of dist.batch_isend_irecv(ops) (or wait on a dist.isend and a dist.irecv)
     # BEGIN SOLUTION: fill every slot of tensor_list (in place) with that rank's tensor, passing slots around the ring
     tensor_list[rank].copy_(tensor)
     for step in range(world_size - 1):

@@ -39,6 +39,10 @@ MUTATIONS = [
              "    dist.all_reduce(mine, op=dist.ReduceOp.SUM)\n    return int(mine.item())\n",
              "    return dist.all_reduce(mine, op=dist.ReduceOp.SUM)\n",
              "returned None"),
+    # REVIEW 5, A (held back since round 2): an async all-reduce never waited was named "each rank's own
+    # value"; on gloo its value is a race, its completion is not
+    Mutation("async all_reduce never waited", SUM, "    dist.all_reduce(mine, op=dist.ReduceOp.SUM, async_op=True)\n",
+             "never waited for (all_reduce)", 2),
 ]
 
 NODES = True  # LOCAL_RANK and the rank's device

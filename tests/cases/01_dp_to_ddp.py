@@ -105,6 +105,13 @@ MUTATIONS = [
 
 NODES = True  # LOCAL_RANK and the rank's device
 
+# train()'s epoch from its set_epoch through its print: where an epoch's order is chosen, start or end
+EPOCH_SPAN = SOLUTION[SOLUTION.index(SET_EPOCH):SOLUTION.index(PRINT) + len(PRINT)]
+# REVIEW 5, m4: set_epoch(epoch) at the END of each epoch, so epoch 0's order is used twice
+MUTATIONS.append(Mutation("set_epoch(epoch) at the end of each epoch", EPOCH_SPAN,
+                          EPOCH_SPAN.replace(SET_EPOCH, "        pass\n") + SET_EPOCH,
+                          "took its samples in the same order as epoch 0", 2))
+
 # make_loader's body through train()'s set_epoch: a loader built on a batch_sampler is told its epoch there
 BATCH_SAMPLER_SPAN = SOLUTION[SOLUTION.index(SAMPLER):SOLUTION.index("        loader.sampler.set_epoch(epoch)\n") + 40]
 
@@ -127,4 +134,8 @@ CORRECT = [
             "        mean = torch.tensor([total / batches], device=device)\n"
             "        dist.all_reduce(mean, op=dist.ReduceOp.AVG)\n"
             '        if int(os.environ["RANK"]) == 0:\n            print(f"epoch {epoch}: loss {mean.item():.4f}")\n', 3),
+    # REVIEW 5, v4: set_epoch(epoch + 1) at the end of each epoch uses the same orders as set_epoch(epoch)
+    # at the start (it was rejected for the sampler's last epoch, not for the orders used)
+    Variant("set_epoch(epoch + 1) at the end of each epoch", EPOCH_SPAN,
+            EPOCH_SPAN.replace(SET_EPOCH, "        pass\n") + "        loader.sampler.set_epoch(epoch + 1)\n", 2),
 ]

@@ -55,11 +55,6 @@ MUTATIONS = [
              "                                            dist.P2POp(dist.irecv, tensor_list[recv_slot], left)])\n"
              "    for request in requests:\n        request.wait()\n",
              "while a receive into it was still in flight", 3),
-    Mutation("all_gather with isend/irecv one by one", STEP,
-             "        requests = [dist.isend(tensor_list[send_slot], dst=right), "
-             "dist.irecv(tensor_list[recv_slot], src=left)]\n"
-             "        for request in requests:\n            request.wait()\n",
-             "outside dist.batch_isend_irecv", 2),
     # Either direction is a ring (REVIEW 4, A): this one sends to the left but numbers its slots as a
     # ring going right, so the values are wrong, and the known mistake is named from its outcome.
     Mutation("all_gather messages go left while the slots go right",
@@ -125,4 +120,10 @@ CORRECT = [
             "        from torch.distributed import recv\n"
             "        for peer in reversed(range(world_size)):\n            if peer != dst:\n"
             "                recv(gather_list[peer], src=peer)\n", 3),
+    # REVIEW 5, A (the newcomer's): the chapter says "send/recv (or isend/irecv) only"; unbatched
+    # requests, both waited each step, are a right ring (it was refused as "outside batch_isend_irecv")
+    Variant("all_gather with isend/irecv one by one, both waited each step", STEP,
+            "        requests = [dist.isend(tensor_list[send_slot], dst=right), "
+            "dist.irecv(tensor_list[recv_slot], src=left)]\n"
+            "        for request in requests:\n            request.wait()\n", 2),
 ]

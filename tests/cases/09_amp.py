@@ -101,4 +101,10 @@ MUTATIONS += [
     # REVIEW B: an input never tried: finite gradients whose sum overflows
     Mutation("inf tested on the sum of each gradient", "not bool(torch.isfinite(p.grad).all())",
              "not bool(torch.isfinite(p.grad.sum()))", "not a sum or a norm of the gradient", 2),
+    # REVIEW 5, A: `>=` and no reset after a growth was named "after a skipped step ... restart at 0"
+    Mutation("grows at every clean step after the first growth (>=, no reset)",
+             "            if self.clean_steps == self.growth_interval:\n                self.scale_value *= self.growth_factor\n"
+             "                self.clean_steps = 0  # growth restarts the count too\n",
+             "            if self.clean_steps >= self.growth_interval:\n                self.scale_value *= self.growth_factor\n",
+             "after a growth the count of clean steps must restart at 0", 2),
 ]

@@ -95,6 +95,29 @@ CORRECT = [
     Variant("the resumed epoch skips its done batches by enumerate",
             "        batches = itertools.islice(loader, progress.step_in_epoch, None)\n",
             "        batches = (batch for i, batch in enumerate(loader) if i >= progress.step_in_epoch)\n", 3),
+    # REVIEW 5, v4: lab 06's own ShardSampler ("a drop-in for DistributedSampler"): judged by the orders it
+    # yields each epoch, not by its class
+    Variant("lab 06's ShardSampler in make_train_loader",
+            "    sampler = DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed)\n",
+            "    import math\n"
+            "\n"
+            "    class ShardSampler(torch.utils.data.Sampler):\n"
+            "        def __init__(self, dataset, num_replicas, rank, seed=0):\n"
+            "            self.n, self.num_replicas, self.rank, self.seed, self.epoch = len(dataset), num_replicas, rank, seed, 0\n"
+            "\n"
+            "        def set_epoch(self, epoch):\n"
+            "            self.epoch = epoch\n"
+            "\n"
+            "        def __iter__(self):\n"
+            "            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()\n"
+            "            per_rank = math.ceil(self.n / self.num_replicas)\n"
+            "            order = (order * 2)[:per_rank * self.num_replicas]\n"
+            "            return iter(order[self.rank::self.num_replicas])\n"
+            "\n"
+            "        def __len__(self):\n"
+            "            return math.ceil(self.n / self.num_replicas)\n"
+            "\n"
+            "    sampler = ShardSampler(train_set, num_replicas=me.world_size, rank=me.rank, seed=seed)\n", 3),
 ]
 
 SAVE = ('    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, "wb") as f:\n            torch.save(state, f)\n'

@@ -229,4 +229,10 @@ MUTATIONS = [
              "is all of its state reset after each window"),
     Mutation("the last bucket dropped when it is not full", "    if current:\n        buckets.append(current)\n", "",
              "keep the one still being filled"),
+    # REVIEW 5, m3: the forward outside no_sync(), the backward inside: DDP decides at the forward, so the
+    # backward reduces; it was named as a hook that reduces inside no_sync()
+    Mutation("train_window: the forward outside no_sync(), only the backward inside",
+             "        with model.no_sync():\n            loss_of(model, batch).backward()\n",
+             "        loss = loss_of(model, batch)\n        with model.no_sync():\n            loss.backward()\n",
+             "forward AND backward inside", 2),
 ]

@@ -78,6 +78,15 @@ MUTATIONS = [
              "    mine = torch.empty(shard, device=flat.device)\n", "make its buffers with dtype=the input's dtype", 2),
     Mutation("the sum copied from the end of the padded buffer", "    flat.copy_(padded[:flat.numel()])\n",
              "    flat.copy_(padded[-flat.numel():])\n", "the sum shifted by the padding", 3),
+    # torch 2.14 salts a local group's name with the count of new_group calls made before it: members that
+    # make their shared groups as different calls of their sequences wait under different names
+    Mutation("local groups made in another order on odd ranks", GROUPS + RETURN_GROUPS,
+             "    first, second = hosts[rank // ranks_per_host], peers[rank % ranks_per_host]\n"
+             "    if rank % 2:\n        first, second = second, first\n"
+             "    a = dist.new_group(first, use_local_synchronization=True)\n"
+             "    b = dist.new_group(second, use_local_synchronization=True)\n"
+             "    return (b, a) if rank % 2 else (a, b)\n",
+             "a group's name counts the new_group calls made before it", 2),
 ]
 
 CORRECT = [
@@ -107,6 +116,16 @@ CORRECT = [
             "    for ranks in peers:\n        group = dist.new_group(ranks)\n"
             "        if rank in ranks:\n            mine[1] = group\n"
             "    return mine[0], mine[1]\n", 4),
+    # REVIEW 5, v2: cell 39's "the lab's make_groups, done for you" (device_mesh imports new_group by name)
+    Variant("groups from init_device_mesh and mesh.get_group", GROUPS + RETURN_GROUPS,
+            "    from torch.distributed.device_mesh import init_device_mesh\n"
+            "    mesh = init_device_mesh(\"cpu\", (len(hosts), ranks_per_host), mesh_dim_names=(\"across\", \"inside\"))\n"
+            "    return mesh.get_group(\"inside\"), mesh.get_group(\"across\")\n", 2),
+    # REVIEW 5, x1: each rank creates only its own groups, with use_local_synchronization=True
+    Variant("only the members create each group (use_local_synchronization=True)", GROUPS + RETURN_GROUPS,
+            "    host_group = dist.new_group(hosts[rank // ranks_per_host], use_local_synchronization=True)\n"
+            "    peer_group = dist.new_group(peers[rank % ranks_per_host], use_local_synchronization=True)\n"
+            "    return host_group, peer_group\n", 2),
 ]
 if hasattr(dist, "reduce_scatter_single"):  # torch 2.14's names for the same two collectives
     CORRECT.append(Variant("torch 2.14's *_single names", SCATTER + ACROSS + GATHER,

@@ -91,6 +91,10 @@ MUTATIONS = [
              "a shard of the wrong rank", 2),
     Mutation("finish_gradient_sync does nothing", "        for _, _, p in self.replicated:\n", "        for _, _, p in []:\n",
              "its gradient was not averaged", 2),
+    # REVIEW 5, x1: the shard a view of the padded temporary: values right, memory not sharded
+    Mutation("shard_of returns a view of the padded vector (no clone)",
+             "    return padded[start:start + size].clone()\n", "    return padded[start:start + size]\n",
+             "the shard keeps the whole padded unit alive", 2),
 ]
 
 

@@ -1,0 +1,94 @@
+"""Effects that every lab function has, observed one way for every check (docs: CHECKS.md, "six effects").
+
+A check judges what a learner's function did, never how it was written. Some of what it did is not
+about one lab at all: whether it changed an input the contract leaves alone, whether it left a request
+in flight, whether what it returned keeps more memory alive than its own elements. This module
+observes those, so that each check keeps only what is specific to its lab.
+
+    from ringside.effects import Inputs, never_waited, storage_excess
+
+    inputs = Inputs(flat=flat, shard=shard)     # copies taken now
+    lab.fn(flat, shard)
+    inputs.changed()                            # ["flat"]: the names whose tensors differ now
+
+    never_waited(recorder.calls)                # the recorded requests the learner's code never completed
+    storage_excess(shard)                       # (held, own) bytes when its storage is larger than itself
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """Every tensor in `value` (a tensor, or lists, tuples and dicts of them), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class Inputs:
+    """Copies of a call's tensor arguments, taken when made; `changed()` names those that differ now
+    (in values, shape, dtype or device). NaN equals NaN: an input that held NaN and still does is unchanged."""
+
+    def __init__(self, **arguments):
+        self.arguments = arguments
+        self.copies = {name: [t.detach().clone() for t in _tensors(value)] for name, value in arguments.items()}
+
+    def changed(self, allowed: Iterable[str] = ()) -> list[str]:
+        """The names (in the order given) whose tensors differ from their copies, except `allowed`
+        (the arguments the contract lets the function change in place)."""
+        allowed = set(allowed)
+        found = []
+        for name, value in self.arguments.items():
+            now, before = _tensors(value), self.copies[name]
+            if name in allowed:
+                continue
+            if len(now) != len(before) or any(not _same(a, b) for a, b in zip(now, before)):
+                found.append(name)
+        return found
+
+
+def _same(now: torch.Tensor, before: torch.Tensor) -> bool:
+    if now.shape != before.shape or now.dtype != before.dtype or now.device != before.device:
+        return False
+    return bool(torch.equal(now.detach(), before)) or (
+        now.is_floating_point() and bool(torch.equal(torch.nan_to_num(now.detach(), nan=0.0),
+                                                     torch.nan_to_num(before, nan=0.0)))
+        and bool(torch.equal(now.detach().isnan(), before.isnan())))
+
+
+def never_waited(calls: Iterable) -> list:
+    """The calls (ringside.calls records) that the learner's code never saw complete, however it could
+    have waited (Work.wait, a future, a callback): a receive not necessarily arrived, a send whose buffer
+    the caller may still change. Blocking calls complete at their return, so only requests show."""
+    return [call for call in calls if not call["completed"] and not call.get("refused")]
+
+
+def unwaited_diagnosis(name: str, calls: Iterable) -> str | None:
+    """One sentence naming the requests `name` returned without waiting for, or None if there are none."""
+    left = never_waited(calls)
+    if not left:
+        return None
+    kinds = sorted({call["kind"] for call in left})
+    receives = sorted({call["peer"] for call in left if "recv" in call["kind"]}, key=str)
+    writes = any(not call["p2p"] for call in left)  # a collective's result, like a receive, arrives later
+    return (f"{name} returned with {len(left)} request(s) never waited for ({' and '.join(kinds)}"
+            + (f" from rank(s) {receives}" if receives else "") + "): "
+            + ("a receive has not necessarily arrived when the function returns" if receives else
+               "its result has not necessarily arrived when it is read" if writes else
+               "the caller may change the tensor while it is still being sent")
+            + " - wait on every request before returning")
+
+
+def storage_excess(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(bytes its storage holds, bytes its own elements need) when the first is larger - a view into a
+    larger tensor keeps all of it alive - else None."""
+    held, own = tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size()
+    return (held, own) if held > own else None
