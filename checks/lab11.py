@@ -64,10 +64,18 @@ def check_sharding(checks: Checks, result: Result, train_size: int, args: argpar
     every = [None] * me.world_size
     dist.all_gather_object(every, list(sampler))
     covered = len(set().union(*map(set, every)))
-    checks.expect(covered == train_size,
-                  f"the ranks' shards together cover {covered} of {train_size} training images (they overlap): "
-                  f"the sampler's seed must be the same on every rank (seed, not seed + rank), so that all ranks "
-                  f"cut one shared permutation")
+    # One shared permutation cut in world_size shares: padded (an image repeated) or cut short by
+    # drop_last=True (an image left out), by fewer than world_size images either way.
+    repeated, missing = sum(map(len, every)) - covered, train_size - covered
+    if repeated >= me.world_size:
+        checks.fail(f"the ranks' shards together cover {covered} of {train_size} training images, {repeated} of "
+                    f"them on two ranks or more (they overlap): the sampler's seed must be the same on every rank "
+                    f"(seed, not seed + rank), so that all ranks cut one shared permutation")
+    elif missing >= me.world_size:
+        checks.fail(f"the ranks' shards together cover {covered} of {train_size} training images: {missing} are on "
+                    f"no rank - each rank takes its share of one permutation of the whole training set")
+    else:
+        checks.expect(True, "")
 
 
 def check_augment(checks: Checks, train_set: TensorDataset, me: Rank) -> None:

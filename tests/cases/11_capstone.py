@@ -118,6 +118,12 @@ CORRECT = [
             "            return math.ceil(self.n / self.num_replicas)\n"
             "\n"
             "    sampler = ShardSampler(train_set, num_replicas=me.world_size, rank=me.rank, seed=seed)\n", 3),
+    # REVIEW 5, lab11/v2 at 4 ranks: drop_last=True in the sampler leaves out fewer than world_size images an
+    # epoch (1,438 at 3 ranks: 1); "they overlap" was said of shards that do not
+    Variant("the sampler drops the remainder itself (drop_last=True)",
+            "DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed)\n",
+            "DistributedSampler(train_set, num_replicas=me.world_size, rank=me.rank, shuffle=True, seed=seed,\n"
+            "                                 drop_last=True)\n", 3),
 ]
 
 SAVE = ('    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, "wb") as f:\n            torch.save(state, f)\n'
