@@ -49,7 +49,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
     """Like dist.all_gather(tensor_list, tensor): on every rank, tensor_list[r] receives rank r's
     tensor. Build it as a ring: each rank talks to its two neighbours only; at each step post the
     send and the receive at once (dist.isend and dist.irecv, or both as dist.P2POp in one
-    dist.batch_isend_irecv call, which NCCL launches as one group) and wait for both before the next step."""
+    dist.batch_isend_irecv call) and wait for both before the next step. On NCCL use the batch: torch
+    documents that within one batch the order of sends and receives cannot deadlock; one by one, it can."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
     # HINT 1: N-1 steps; at each, send one slot to the right neighbour and receive one from the left, at once (with blocking calls every rank would send first and wait for ever), and wait for both before the next step. Start with your own tensor in your own slot; at each step send on the slot that arrived at the step before (at step 0: your own)
