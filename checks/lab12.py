@@ -146,12 +146,19 @@ def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], 
         # sync as the forward found it (a pre-hook on the model), not as the learner's forward set its flag
         at = (w - 1) * lab.ACCUM
         synced = [k for k in range(lab.ACCUM - 1)
-                  if sync_at_forward is not None and at + k < len(sync_at_forward) and sync_at_forward[at + k]]
+                  if sync_at_forward is not None and at + k < len(sync_at_forward) and sync_at_forward[at + k][0]]
         if early and synced:  # DDP decides at the forward: a forward with sync on makes its backward reduce
-            checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} micro-batches: "
-                        f"the forward of micro-batch {synced[0]} ran with sync on (outside no_sync()), so its backward "
-                        f"reduces, as DDP's would - in train_window run each accumulating micro-batch's forward AND "
-                        f"backward inside `with model.no_sync():`")
+            k = synced[0]
+            if sync_at_forward[at + k][1]:  # inside the learner's no_sync() block, yet sync was on
+                checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} "
+                            f"micro-batches: the forward of micro-batch {k} ran inside no_sync() with sync still on - "
+                            f"reducing during accumulation wastes {lab.ACCUM - 1} of every {lab.ACCUM} communications: "
+                            f"no_sync() must turn sync off for its block (and on again after it)")
+            else:
+                checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} "
+                            f"micro-batches: the forward of micro-batch {k} ran with sync on (outside no_sync()), so "
+                            f"its backward reduces, as DDP's would - in train_window run each accumulating "
+                            f"micro-batch's forward AND backward inside `with model.no_sync():`")
             return False
         if early:
             checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} micro-batches "
@@ -495,8 +502,23 @@ def main(me: Rank, checks: Checks) -> None:
     if not check_buckets(checks, params, buckets):
         return
     hand = lab.HandDDP(model)
-    sync_at_forward: list = []  # model.sync when each forward began: was it inside no_sync()?
-    hand.register_forward_pre_hook(lambda module, args: sync_at_forward.append(getattr(module, "sync", None)))
+    # (model.sync, inside the no_sync() block?) when each forward began: DDP decides at the forward
+    sync_at_forward: list = []
+    inside = [False]
+    learners_no_sync = hand.no_sync
+
+    @contextmanager
+    def watched_no_sync():
+        with learners_no_sync():
+            inside[0] = True
+            try:
+                yield
+            finally:
+                inside[0] = False
+
+    hand.no_sync = watched_no_sync
+    hand.register_forward_pre_hook(
+        lambda module, args: sync_at_forward.append((getattr(module, "sync", None), inside[0])))
     sizes = [sum(params[i].numel() for i in bucket) for bucket in buckets]
     print0(f"{len(params)} parameters in {len(buckets)} buckets: {buckets}")
     grads = []
