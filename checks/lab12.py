@@ -186,9 +186,13 @@ def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], 
             return False
         if launches[0] > readies[-1]:
             if not last[0][1]:  # the last forward ran with sync off: only finish_gradient_sync launched
+                k = w * lab.ACCUM - 1  # that forward, in sync_at_forward
+                outside = sync_at_forward is not None and k < len(sync_at_forward) and not sync_at_forward[k][1]
                 checks.fail(f"rank {rank}, window {w}: the last micro-batch's forward ran with sync off, so its "
-                            f"backward launched nothing - the last forward and backward of a window must run "
-                            f"outside no_sync(), with sync on again")
+                            f"backward launched nothing - "
+                            + ("it ran outside no_sync(), which left sync off after its block: no_sync() must "
+                               "leave the model with sync on again when its block ends (try/finally)" if outside else
+                               "the last forward and backward of a window must run outside no_sync(), with sync on again"))
             elif w > 1:
                 checks.fail(f"rank {rank}, window {w}: every all-reduce started after backward ended, though "
                             f"window 1's overlapped - is what the hook counts (gradients arrived per bucket) reset "
