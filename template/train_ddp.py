@@ -10,7 +10,8 @@ accumulation, exact evaluation, checkpoints, resume, signals) works as is on CPU
 One machine (1 process, or one per GPU / 4 CPU processes):
     torchrun --standalone --nproc-per-node 1 template/train_ddp.py --out runs/demo
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 template/train_ddp.py --out runs/demo
-A model too big for one GPU: add --fsdp (parameters, gradients and optimizer state sharded).
+A model too big for one GPU: add --fsdp (built on the meta device; parameters, gradients and optimizer
+state sharded).
 Two machines, static rendezvous (run on each; --node-rank 0 on the machine at MASTER_IP):
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr MASTER_IP --master-port 29500 \\
         template/train_ddp.py --out /shared/runs/demo
@@ -649,6 +650,52 @@ def shard_model(net: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     return net
 
 
+def build_sharded_model(device: torch.device, param_dtype: torch.dtype | None, pretrained: str | None,
+                        sync_bn: bool, compile: bool) -> nn.Module:
+    """--fsdp: a model whose weights need not fit one device. Every process builds it on the meta
+    device (shapes, no memory), shards it and allocates only its own shards (`to_empty`). Rank 0
+    alone builds it for real, on the CPU (the larger memory), with --pretrained's weights, and sends
+    it tensor by tensor; each process keeps its shard of each (`set_model_state_dict(...,
+    broadcast_from_rank0=True)`). So a process holds its shards plus one whole tensor at a time, and
+    the initial weights are those that `build_model()` makes without --fsdp, bit for bit."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full, refused = None, None
+    if dist.get_rank() == 0:
+        full = build_model()
+        if pretrained:
+            try:
+                load_pretrained(full, pretrained)
+            except SystemExit as error:  # said on every process, or the others would wait for rank 0
+                refused = str(error)
+    # Every process's random stream goes on as if it had built the model itself (the seed is the same).
+    after_build = [torch.get_rng_state(), refused]
+    dist.broadcast_object_list(after_build)
+    if after_build[1]:
+        raise SystemExit(after_build[1])
+    torch.set_rng_state(after_build[0])
+    with torch.device("meta"):
+        net = build_model()
+    if sync_bn:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    if compile:
+        net.compile()
+    shard_model(net, param_dtype)
+    net.to_empty(device=device)
+    set_model_state_dict(net, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers outside the state_dict (persistent=False, e.g. a rotary embedding's table) come from rank 0 too.
+    kept = set(net.state_dict())
+    made = dict(full.named_buffers()) if full is not None else {}
+    for name, buffer in net.named_buffers():
+        if name not in kept:
+            if full is not None:
+                buffer.copy_(made[name])
+            dist.broadcast(buffer, 0)
+    del full
+    return net
+
+
 def full_state_dict(net: nn.Module, fsdp: bool) -> dict:
     """The whole model's state_dict on rank 0, on the CPU (with --fsdp every rank must call this:
     the shards are gathered; the other ranks get {})."""
@@ -1021,29 +1068,31 @@ def train() -> None:
             raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
                              f"the old ones, or start afresh with a new --out")
 
-    net = build_model()
     if state is not None:  # a checkpoint of another model: said in one line, before anything changes
-        problem = model_mismatch(shapes_of(net.state_dict()), saved_shapes(ckpt, state))
+        with torch.device("meta"):  # (shapes only)
+            problem = model_mismatch(shapes_of(build_model().state_dict()), saved_shapes(ckpt, state))
         if problem:
             raise SystemExit(f"{ckpt} holds another model's weights: {problem}. Resume with the model it was "
                              f"written with, or start afresh with a new --out (nothing was changed)")
-    if args.pretrained:
-        load_pretrained(net, args.pretrained)
-        log.info("initial weights from %s", args.pretrained)
-    if args.sync_bn:
-        if device.type != "cuda":
-            log.warning("--sync-bn needs nccl: on the CPU each rank keeps its own BatchNorm statistics")
-        else:
-            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-    net.to(device)
+    if args.sync_bn and device.type != "cuda":
+        log.warning("--sync-bn needs nccl: on the CPU each rank keeps its own BatchNorm statistics")
+    sync_bn = args.sync_bn and device.type == "cuda"
     if args.tf32:
         torch.set_float32_matmul_precision("high")  # (cuDNN's convolutions use TF32 by default already)
-    if args.compile:
-        net.compile()  # nn.Module.compile: in place, so state_dict keys stay as they are
-    if args.fsdp:
-        model = shard_model(net, amp_dtype)  # in place: model is net
+    if args.fsdp:  # built on the meta device, sharded, then filled from rank 0 (in place: model is net)
+        model = net = build_sharded_model(device, amp_dtype, args.pretrained, sync_bn, args.compile)
     else:
+        net = build_model()
+        if args.pretrained:
+            load_pretrained(net, args.pretrained)
+        if sync_bn:
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+        net.to(device)
+        if args.compile:
+            net.compile()  # nn.Module.compile: in place, so state_dict keys stay as they are
         model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.pretrained:
+        log.info("initial weights from %s", args.pretrained)
     optimizer, scheduler = build_optimizer(model, args, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
 

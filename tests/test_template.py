@@ -1103,6 +1103,46 @@ def test_resume_at_another_number_of_processes_goes_on_and_says_what_changes(tmp
 
 
 @pytest.mark.timeout(900)  # five FSDP runs one after the other
+def test_fsdp_builds_a_model_no_process_holds_whole_with_the_same_initial_weights():
+    """--fsdp builds the model on the meta device and fills each process's shards from rank 0's real
+    build, one tensor at a time: at 4 processes a 256 MB model (64 layers of 4 MB) grows every
+    process but rank 0 by its shard (64 MB) and a little, never by the model; rank 0, which builds it
+    on the CPU, by more than the model. The gathered weights are what build_model() makes without
+    --fsdp, bit for bit."""
+    def build(rank, world_size):
+        import importlib.util
+
+        import torch
+        import torch.distributed as dist
+        spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.build_model = lambda: torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(64)])
+        module.fsdp_blocks = lambda model: list(model)
+
+        def megabytes(key: str) -> float:
+            return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key)) / 1024
+
+        dist.barrier()
+        with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here
+            f.write("5")
+        before = megabytes("VmRSS:")
+        torch.manual_seed(0)
+        net = module.build_sharded_model(torch.device("cpu"), None, None, False, False)
+        grown = megabytes("VmHWM:") - before
+        whole = module.full_state_dict(net, True)  # (every rank takes part; rank 0 gets it)
+        gathered = module.weights_sha256(whole) if rank == 0 else None
+        torch.manual_seed(0)
+        return grown, gathered, module.weights_sha256(module.build_model().state_dict())
+
+    model_mb = 64 * (1024 * 1024 + 1024) * 4 / 2**20
+    results = run_ranks(build, 4, show_output=False, timeout=240)
+    grown = [r[0] for r in results]
+    assert grown[0] > model_mb, grown
+    assert all(g < 0.6 * model_mb for g in grown[1:]), f"MB grown per rank {grown}, the model is {model_mb:.0f} MB"
+    assert results[0][1] == results[0][2], "--fsdp's initial weights differ from build_model()'s"
+
+
 def test_fsdp_at_one_process_and_on_two_nodes_of_two_resumes_bit_for_bit(tmp_path):
     """--fsdp at 1 process, and at 4 as 2 nodes x 2 processes (RANK differs from LOCAL_RANK on node 1,
     and each rank writes its own shard of the DCP checkpoint): each run resumed from its older kept
