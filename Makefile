@@ -158,7 +158,7 @@ progress: $(SETUP) ## your labs' latest verdicts (every `make lab` run is record
 LEARNERS ?= learner1 learner2 learner3 learner4
 HUB_PORT ?= 8000
 HUB_CPUS ?= 1
-HUB_MEMORY_GB ?= 3
+HUB_MEMORY_GB ?= 2
 SPAWNER ?= local
 PARTITION ?=
 TIME ?=

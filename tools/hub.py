@@ -45,8 +45,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_NAME = "ringside-hub"              # each learner: <controller>/ringside-hub/<login>
 CONTROLLERS = ("cpu", "memory", "pids")
 DEFAULT_LEARNERS = "learner1 learner2 learner3 learner4"
-# Each learner's bound (hub/jupyterhub_config.py reads them from the state file)
-LIMITS = {"cpus": 1.0, "memory_gb": 3.0, "pids": 1024}
+# Each learner's bound (hub/jupyterhub_config.py reads them from the state file). Memory: a learner
+# running chapter 00 and then lab 00 peaked at 1.1-1.25 GB (make hub-test, runs/hub/room.txt), with the
+# notebook's ranks forked; 2 GB leaves room for chapters with bigger models. A bound, not a reservation
+# (except on Slurm, where --mem is reserved on the node).
+LIMITS = {"cpus": 1.0, "memory_gb": 2.0, "pids": 1024}
 
 
 class HubError(Exception):

@@ -67,6 +67,8 @@ def kind(pid: int) -> str:
         return "torchrun" if not forked else "torchrun: forked rank"
     if "torch.distributed.run" in cmdline(parent(pid)):
         return "torchrun: started rank"  # a fresh process that imports torch itself
+    if "python" in cmd:  # named by what it runs, e.g. "-m tools.progress"
+        return "other: " + " ".join(Path(a).name for a in cmd.split()[1:3])
     return "other (shells, make)"
 
 
