@@ -179,6 +179,19 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverS
         if not self.procs:
             for name in ("slurmd", "slurmctld", "munged"):
                 stop_pid_file(self.dir / f"{name}.pid")
+        if self.cgroups:
+            remove_slurm_cgroups(self.node)
+
+
+def remove_slurm_cgroups(node: str) -> None:
+    """The cgroups task/cgroup made (slurm_<node> in each controller), which slurmd leaves behind:
+    empty once the jobs are gone, and removed deepest first."""
+    for top in Path("/sys/fs/cgroup").glob(f"*/slurm_{node}"):
+        for folder in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
 
 def stop_pid_file(path: Path) -> None:
