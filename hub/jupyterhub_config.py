@@ -86,7 +86,8 @@ c.Spawner.cmd = [str(VENV / "bin" / "jupyterhub-singleuser")]
 # A kernel idle this long is shut down, with its rank starter and their torch (about 0.7 GB), even with
 # its notebook open: a learner who moved on to the next chapter leaves the last one's kernel behind.
 # Running the notebook again starts a new one.
-KERNEL_CULLING = [f"--MappingKernelManager.cull_idle_timeout={S.get('kernel_idle_s', 1200)}",
+KERNEL_IDLE_S = 20 * 60
+KERNEL_CULLING = [f"--MappingKernelManager.cull_idle_timeout={KERNEL_IDLE_S}",
                   "--MappingKernelManager.cull_interval=60", "--MappingKernelManager.cull_connected=True"]
 c.Spawner.notebook_dir = "~"
 c.Spawner.default_url = "/lab/tree/ringside/README.md"
@@ -106,8 +107,9 @@ c.Spawner.environment = {
 
 # A server idle this long (no browser tab, no kernel busy) is stopped; the learner's files stay, and
 # logging in again starts it again.
+SERVER_IDLE_S = 60 * 60
 c.JupyterHub.services = [{"name": "idle-culler", "command": [
-    str(VENV / "bin" / "python"), "-m", "jupyterhub_idle_culler", f"--timeout={S.get('server_idle_s', 3600)}"]}]
+    str(VENV / "bin" / "python"), "-m", "jupyterhub_idle_culler", f"--timeout={SERVER_IDLE_S}"]}]
 c.JupyterHub.load_roles = [{"name": "idle-culler", "services": ["idle-culler"],
                             "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"]}]
 
