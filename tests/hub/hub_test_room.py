@@ -91,6 +91,14 @@ def room():
             hub.down()
 
 
+def keep_hub_log() -> None:
+    """The hub's log (the learners' servers log there too), kept in runs/hub/: down() removes the hub's."""
+    log = hub.HUB_DIR / "state" / "hub.log"
+    if log.exists():
+        OUT.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, OUT / "hub.log")
+
+
 @contextlib.contextmanager
 def one_node_slurm():
     """SPAWNER=slurm: a one-node Slurm for the room, its settings for the hub; else nothing (None)."""
@@ -178,6 +186,7 @@ def test_a_room_of_learners_at_once(room):
     with hub_memory.Sampler(LEARNERS, hub.CGROUP_NAME, every=3 if K <= 8 else 5) as memory:
         problems, times = asyncio.run(whole_room())
     total = time.monotonic() - start
+    keep_hub_log()
     from ringside import progress
 
     table = progress.latest(Path(room["progress"]))
