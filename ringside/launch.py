@@ -447,6 +447,7 @@ def torchrun_script(
     env: dict[str, str] | None = None,
     show: bool = True,
     max_restarts: int = 0,
+    agent: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `script` under torchrun and print what rank 0 printed (all_ranks=True: every rank).
 
@@ -455,11 +456,12 @@ def torchrun_script(
     printed first); a job still running after `timeout` seconds is killed and raises TimeoutExpired.
 
     RINGSIDE_LAUNCH=fork (a workshop room sets it: hub/jupyterhub_config.py): the ranks are forked
-    from the kernel's rank starter, as `make lab` forks them (fork_script), unless torchrun must
-    restart them (max_restarts). Each rank of a real torchrun is a fresh process that imports torch
+    from the kernel's rank starter, as `make lab` forks them (fork_script), unless torchrun's agent
+    itself is the lesson (agent=True: its store, its failure report) or must restart them
+    (max_restarts). Each rank of a real torchrun is a fresh process that imports torch
     (about 300 MB of its own, plus torchrun's); forked ranks share the starter's pages, which is
     most of what lets a box hold twice the learners (docs/INSTRUCTORS.md)."""
-    if os.environ.get("RINGSIDE_LAUNCH") == "fork" and max_restarts == 0:
+    if os.environ.get("RINGSIDE_LAUNCH") == "fork" and not agent and max_restarts == 0:
         result = fork_script(script, nproc, *args, timeout=timeout, env={"PYTHONUNBUFFERED": "1", **(env or {})},
                              cwd=ROOT, only_rank0=not all_ranks)
     else:
