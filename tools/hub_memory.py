@@ -207,6 +207,9 @@ def main() -> int:
     import json
 
     from tools.hub import state_file
+    if not state_file().exists():
+        print("no hub is running here (make hub starts one)")
+        return 1
     for login, kinds in room_now(json.loads(state_file().read_text())["learners"]).items():
         total = sum(k["pss"] for k in kinds.values())
         print(f"{login}: {total / MB:.0f} MB PSS")
