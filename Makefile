@@ -151,13 +151,23 @@ progress: $(SETUP) ## your labs' latest verdicts (every `make lab` run is record
 # A workshop room on one machine (tools/hub.py, hub/jupyterhub_config.py; root): JupyterHub on
 # 127.0.0.1:HUB_PORT for LEARNERS (Linux users it creates), a shared PASSWORD (random if empty),
 # each learner bounded to HUB_CPUS cores and HUB_MEMORY_GB in cgroups of their own.
+# SPAWNER=slurm: each learner's server is a Slurm job instead (batchspawner), on the cluster sbatch
+# reaches (SLURM_CONF), bounded by Slurm to the same; PARTITION, TIME (each server's limit) and
+# SBATCH_OPTIONS (e.g. --account=ws) for sbatch, HUB_IP where the nodes reach this machine.
+# `make slurm-node` starts a one-node Slurm here to try it (docs/INSTRUCTORS.md).
 LEARNERS ?= learner1 learner2 learner3 learner4
 HUB_PORT ?= 8000
 HUB_CPUS ?= 1
-HUB_MEMORY_GB ?= 3
-.PHONY: hub hub-down room hub-test progress
-hub: setup $(VENV)/.hub-ready ## (root) a workshop room: JupyterHub for LEARNERS="a b ..." on 127.0.0.1:HUB_PORT
+HUB_MEMORY_GB ?= 2
+SPAWNER ?= local
+PARTITION ?=
+TIME ?=
+SBATCH_OPTIONS ?=
+HUB_IP ?= 127.0.0.1
+.PHONY: hub hub-down room hub-test progress slurm-node slurm-down
+hub: setup $(VENV)/.hub-ready ## (root) a workshop room: JupyterHub for LEARNERS="a b ..." on 127.0.0.1:HUB_PORT (SPAWNER=slurm: servers as Slurm jobs)
 	$(PY) -m tools.hub up --learners "$(LEARNERS)" --port $(HUB_PORT) --cpus $(HUB_CPUS) --memory-gb $(HUB_MEMORY_GB) \
+	    --spawner $(SPAWNER) --partition "$(PARTITION)" --time "$(TIME)" --slurm-options "$(SBATCH_OPTIONS)" --hub-ip $(HUB_IP) \
 	    $(if $(PASSWORD),--password "$(PASSWORD)")
 
 hub-down: ## (root) stop the hub; remove its learners, their cgroups and files
@@ -166,16 +176,23 @@ hub-down: ## (root) stop the hub; remove its learners, their cgroups and files
 room: setup ## (root) the instructor's live table: every learner's latest verdict per lab
 	$(PY) -m tools.hub room
 
+slurm-node: ## (root) a one-node Slurm on this machine, to try SPAWNER=slurm (prints the SLURM_CONF to export)
+	$(PY) -m tools.slurm_node up
+
+slurm-down: ## (root) stop the one-node Slurm and remove its folder
+	$(PY) -m tools.slurm_node down
+
 $(VENV)/.hub-ready: requirements-hub.txt $(VENV)/.ready
 	$(PIP) -r requirements-hub.txt
 	touch $@
 
 # K learners at once in Chromium: log in, run chapter 00, pass lab 00 from a terminal; files kept apart.
+# SPAWNER=slurm: through a one-node Slurm the test starts (tools/slurm_node.py), each server a job.
 HUB_LEARNERS ?= 4
-hub-test: setup $(VENV)/.ui-ready $(VENV)/.hub-ready ## (root) the room in a real browser: HUB_LEARNERS learners at once
+hub-test: setup $(VENV)/.ui-ready $(VENV)/.hub-ready ## (root) the room in a real browser: HUB_LEARNERS learners at once (SPAWNER=slurm: as Slurm jobs)
 	@test -x /usr/bin/chromium || { echo "make hub-test needs Debian's Chromium: sudo apt-get install -y chromium"; exit 2; }
 	@start=$$(date +%s); \
-	HUB_LEARNERS=$(HUB_LEARNERS) $(PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/hub/hub_test_room.py; status=$$?; \
+	HUB_LEARNERS=$(HUB_LEARNERS) HUB_SPAWNER=$(SPAWNER) $(PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/hub/hub_test_room.py; status=$$?; \
 	echo "make hub-test: total $$(( $$(date +%s) - start )) s"; exit $$status
 
 bench-gpu: ## (GPU machine) chapter 09's table: step time and memory in fp32, TF32, fp16, bf16

@@ -447,16 +447,28 @@ def torchrun_script(
     env: dict[str, str] | None = None,
     show: bool = True,
     max_restarts: int = 0,
+    agent: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `script` under torchrun and print what rank 0 printed (all_ranks=True: every rank).
 
     `!torchrun ...` in a notebook ignores a failing exit status, even under nbval, and has no time
     limit; this has both. check=True raises CalledProcessError when the job fails (its stderr is
-    printed first); a job still running after `timeout` seconds is killed and raises TimeoutExpired."""
-    result = subprocess.run(
-        torchrun_command(script, nproc, *args, all_ranks=all_ranks, max_restarts=max_restarts),
-        cwd=ROOT, env=quiet_env(env), capture_output=True, text=True, timeout=timeout,
-    )
+    printed first); a job still running after `timeout` seconds is killed and raises TimeoutExpired.
+
+    RINGSIDE_LAUNCH=fork (a workshop room sets it: hub/jupyterhub_config.py): the ranks are forked
+    from the kernel's rank starter, as `make lab` forks them (fork_script), unless torchrun's agent
+    itself is the lesson (agent=True: its store, its failure report) or must restart them
+    (max_restarts). Each rank of a real torchrun is a fresh process that imports torch
+    (about 300 MB of its own, plus torchrun's); forked ranks share the starter's pages, which is
+    most of what lets a box hold twice the learners (docs/INSTRUCTORS.md)."""
+    if os.environ.get("RINGSIDE_LAUNCH") == "fork" and not agent and max_restarts == 0:
+        result = fork_script(script, nproc, *args, timeout=timeout, env={"PYTHONUNBUFFERED": "1", **(env or {})},
+                             cwd=ROOT, only_rank0=not all_ranks)
+    else:
+        result = subprocess.run(
+            torchrun_command(script, nproc, *args, all_ranks=all_ranks, max_restarts=max_restarts),
+            cwd=ROOT, env=quiet_env(env), capture_output=True, text=True, timeout=timeout,
+        )
     if show:
         print(result.stdout, end="")
     if check and result.returncode != 0:
@@ -533,7 +545,8 @@ def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str | 
 
 
 def fork_script(script: str | Path, nproc: int, *args: str, timeout: float = 120,
-                env: dict[str, str] | None = None, nnodes: int = 1) -> subprocess.CompletedProcess:
+                env: dict[str, str] | None = None, nnodes: int = 1, cwd: str | Path | None = None,
+                only_rank0: bool = False) -> subprocess.CompletedProcess:
     """Like `torchrun --standalone --nproc-per-node nproc script args`, on ranks forked from the rank
     starter: every rank's output (rank 0 first), and status 1 if any rank failed (as torchrun does).
     nnodes > 1: `nproc` ranks on each of `nnodes` simulated nodes, numbered as torchrun numbers a
@@ -544,11 +557,13 @@ def fork_script(script: str | Path, nproc: int, *args: str, timeout: float = 120
     script cannot tell the difference. They are forked from the rank starter, not from the caller: a
     test process has threads (pytest-xdist's, a store's, a group's) and state that a fork copies
     half-made; a rank forked from one died in CI with a fatal Python error. The ranks get the caller's
-    environment and working directory. Raises subprocess.TimeoutExpired if ranks still run after
-    `timeout`."""
+    environment and working directory (`cwd`: another one). only_rank0: rank 0's output only, as
+    `torchrun --local-ranks-filter=0` shows it. Raises subprocess.TimeoutExpired if ranks still run
+    after `timeout`."""
     with reserved_port() as port:
         job = dict(script=str(script), per_node=nproc, args=[str(a) for a in args], timeout=timeout,
-                   environ=dict(os.environ), env=env or {}, cwd=os.getcwd(), port=port, nnodes=nnodes)
+                   environ=dict(os.environ), env=env or {}, cwd=str(cwd or os.getcwd()), port=port, nnodes=nnodes,
+                   only_rank0=only_rank0)
         if cloudpickle is None:
             codes, stdout, stderr = _fork_script(**job)
         else:
@@ -561,15 +576,16 @@ def fork_script(script: str | Path, nproc: int, *args: str, timeout: float = 120
 
 
 def _fork_script(script, per_node, args, timeout, environ, env, cwd, port,
-                 nnodes=1) -> tuple[list[int | None], str, str]:
+                 nnodes=1, only_rank0=False) -> tuple[list[int | None], str, str]:
     """In the rank starter: fork the ranks, wait for them; (exit codes, None for a rank killed at the
     deadline; every rank's stdout; every rank's stderr)."""
     workdir = tempfile.mkdtemp(prefix="ringside-fork-")
     pids = fork_script_ranks(script, per_node, args, environ, env, cwd, port, nnodes, workdir)
     codes = _wait_pids(pids, timeout)
     read = lambda path: Path(path).read_text(errors="replace") if Path(path).exists() else ""  # noqa: E731
-    stdout = "".join(read(f"{workdir}/{r}.out") for r in range(len(pids)))
-    stderr = "".join(read(f"{workdir}/{r}.err") for r in range(len(pids)))
+    shown = range(1 if only_rank0 else len(pids))
+    stdout = "".join(read(f"{workdir}/{r}.out") for r in shown)
+    stderr = "".join(read(f"{workdir}/{r}.err") for r in shown)
     shutil.rmtree(workdir, ignore_errors=True)
     return codes, stdout, stderr
 

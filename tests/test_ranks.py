@@ -149,3 +149,19 @@ def test_fork_script_from_two_threads_at_once_gives_each_its_own_ranks(tmp_path)
         t.join(timeout=300)
     assert sorted(results["left"].stdout.split("\n")[:2]) == ["left 0 2", "left 1 2"], results["left"]
     assert sorted(results["right"].stdout.split("\n")[:3]) == ["right 0 3", "right 1 3", "right 2 3"], results["right"]
+
+
+def test_torchrun_script_in_a_room_forks_and_shows_what_torchrun_shows(tmp_path, monkeypatch):
+    """RINGSIDE_LAUNCH=fork (a workshop room): torchrun_script's ranks are forked from the rank
+    starter, and the cell shows what the real torchrun shows: rank 0's output, the exit status of
+    the job (1 when a rank fails)."""
+    from ringside.launch import torchrun_script
+
+    script = tmp_path / "say.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+                      "sys.exit(int(sys.argv[1]) if os.environ['RANK'] == '1' else 0)\n")
+    real = [torchrun_script(script, 3, code, check=False, show=False, timeout=120) for code in ("0", "3")]
+    monkeypatch.setenv("RINGSIDE_LAUNCH", "fork")
+    forked = [torchrun_script(script, 3, code, check=False, show=False, timeout=120) for code in ("0", "3")]
+    assert [r.stdout for r in forked] == [r.stdout for r in real] == ["rank 0 of 3\n"] * 2
+    assert [r.returncode for r in forked] == [0, 1] and real[0].returncode == 0 and real[1].returncode != 0

@@ -17,23 +17,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, launch, split_faults
 
+from tools import slurm_node
+
 pytestmark = pytest.mark.slow(2)  # Slurm jobs with torchrun, stopped and requeued
 
 SBATCH = ROOT / "template" / "train_ddp.sbatch"
 SCRIPT = ROOT / "template" / "train_ddp.py"
-DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd")
-CLIENTS = ("sbatch", "scancel", "scontrol", "squeue", "sinfo")
 # Batch 16: 60 steps over an epoch boundary (44 steps an epoch at 2 processes, 89 at 1), slowed with
 # --step-delay, a log line every 5 steps: the test sees where training is, and signals it at a log
 # line, with seconds of steps to go even when the signal takes long to come (the machine may be loaded).
@@ -46,123 +43,14 @@ DEADLINE = 420  # seconds for a whole job, requeues included; anything longer is
 MEANING = r"\([^)]*\)"  # "SIGUSR1 (what it means here): saved ..."
 
 
-def why_not() -> str | None:
-    """Why a Slurm cluster cannot be started here, or None."""
-    if not sys.platform.startswith("linux"):
-        return "Slurm runs on Linux"
-    if os.geteuid() != 0:
-        return "needs root (slurmd runs the jobs as root here)"
-    missing = [name for name in (*DAEMONS, *CLIENTS) if not shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin")]
-    if missing:
-        return f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge"
-    try:
-        socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return f"this machine's name {socket.gethostname()!r} does not resolve (the rendezvous address)"
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    """A one-node Slurm in `folder`: its own munge key and socket, ports, state and logs."""
+class Cluster(slurm_node.Cluster):
+    """The one-node Slurm (tools/slurm_node.py), which submits the template's script."""
 
     def __init__(self, folder: Path):
-        self.dir = folder
-        self.node = socket.gethostname()
-        self.env = dict(os.environ, SLURM_CONF=str(folder / "slurm.conf"), OMP_NUM_THREADS="1",
-                        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}:/usr/sbin")
-        for name in list(self.env):  # a Slurm job's own variables would confuse the clients
-            if name.startswith("SLURM_") and name != "SLURM_CONF":
-                del self.env[name]
-        self.procs: list[subprocess.Popen] = []
         # Each pytest-xdist worker that runs these tests starts a cluster of its own, on one machine; the
         # sbatch derives its rendezvous port from the job id, so the clusters number their jobs apart.
         worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-        self.first_job = 1 + 100 * (int(worker) if worker.isdigit() else 0)
-
-    def start(self) -> None:
-        d = self.dir
-        (d / "state").mkdir()
-        (d / "spool").mkdir()
-        key = d / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        self.daemon(["munged", "-F", "-f", f"--socket={d}/munge.socket", f"--key-file={key}",
-                     f"--log-file={d}/munged.log", f"--pid-file={d}/munged.pid", f"--seed-file={d}/munged.seed"],
-                    "munged")
-        self.wait_for(lambda: (d / "munge.socket").exists(), 10, "munged did not start")
-        # This node as slurmd sees it (its real CPUs), shared by up to 4 jobs.
-        probe = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30, env=self.env)
-        cpus = re.search(r"CPUs=(\d+)", probe.stdout)
-        (d / "slurm.conf").write_text(f"""\
-ClusterName=ringside
-FirstJobId={self.first_job}
-SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# cred_expire: a requeued job may start again after this many seconds (default 120; 5 is the
-# least Slurm accepts, and it ignores a smaller one)
-AuthInfo=socket={d}/munge.socket,cred_expire=5
-StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
-SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
-SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-MpiDefault=none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/builtin
-SchedulerParameters=sched_interval=1
-ReturnToService=2
-KillWait=30
-MinJobAge=600
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus.group(1) if cpus else 1} State=UNKNOWN
-PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-""")
-        self.daemon(["slurmctld", "-D", "-i", "-f", str(d / "slurm.conf")], "slurmctld")
-        self.daemon(["slurmd", "-D", "-f", str(d / "slurm.conf"), "-N", self.node], "slurmd")
-        self.wait_for(lambda: self.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle", 30,
-                      "the node did not come up")
-
-    def daemon(self, command: list[str], name: str) -> None:
-        out = open(self.dir / f"{name}.out", "w")
-        self.procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                           start_new_session=True))
-        out.close()
-
-    def logs(self) -> str:
-        return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(self.dir.glob("*.log")))
-
-    def wait_for(self, ready, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = ready()
-            if value:
-                return value
-            for proc in self.procs:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{what}: {proc.args[0]} exited with {proc.returncode}\n{self.logs()}")
-            time.sleep(0.2)
-        raise TimeoutError(f"{what} within {timeout} s")
-
-    def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30, env=self.env)
-        if check and done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()}")
-        return done
+        super().__init__(folder, first_job=1 + 100 * (int(worker) if worker.isdigit() else 0))
 
     def submit(self, out: Path, nproc: int, *args: str, minutes: int = 10) -> tuple[str, Path]:
         """sbatch the template's script as documented: options and variables only. (job id, its output)"""
@@ -176,29 +64,10 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverS
         assert done.returncode == 0, done.stderr
         return done.stdout.strip().split(";")[0], log
 
-    def job(self, job_id: str) -> dict[str, str]:
-        text = self.run("scontrol", "-o", "show", "job", job_id).stdout
-        return dict(re.findall(r"(\w+)=(\S*)", text))
-
-    def stop(self) -> None:
-        if (self.dir / "slurm.conf").exists():
-            self.run("scancel", "--full", "--user=root", check=False)
-            try:
-                self.wait_for(lambda: not self.run("squeue", "-h", check=False).stdout.strip(), 40, "jobs end")
-            except (RuntimeError, TimeoutError):
-                pass
-        for proc in reversed(self.procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    reason = why_not()
+    reason = slurm_node.why_not()
     if reason:
         pytest.skip(reason)
     cluster = Cluster(tmp_path_factory.mktemp("slurm"))

@@ -15,6 +15,10 @@ spawned as that user in cgroups of their own (CPU quota, memory limit, process c
 course's .venv as the kernel, OMP_NUM_THREADS=1, and a clone of course/ in ~/ringside made at the
 first login. `down` stops the hub and every learner process, removes the learners it created, their
 cgroups and HUB_DIR: nothing is left behind.
+
+`up --spawner slurm` (make hub SPAWNER=slurm) spawns each learner's server as a Slurm job of that
+learner instead (batchspawner's SlurmSpawner, on the cluster that sbatch reaches: SLURM_CONF), which
+Slurm bounds (--cpus-per-task, --mem) in place of the cgroups above; `down` cancels their jobs.
 """
 
 from __future__ import annotations
@@ -41,8 +45,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_NAME = "ringside-hub"              # each learner: <controller>/ringside-hub/<login>
 CONTROLLERS = ("cpu", "memory", "pids")
 DEFAULT_LEARNERS = "learner1 learner2 learner3 learner4"
-# Each learner's bound (hub/jupyterhub_config.py reads them from the state file)
-LIMITS = {"cpus": 1.0, "memory_gb": 3.0, "pids": 1024}
+# Each learner's bound (hub/jupyterhub_config.py reads them from the state file). Memory: a learner
+# running chapter 00 and then lab 00 peaked at 1.1-1.25 GB (make hub-test, runs/hub/room.txt), with the
+# notebook's ranks forked; 2 GB leaves room for chapters with bigger models. A bound, not a reservation
+# (except on Slurm, where --mem is reserved on the node).
+LIMITS = {"cpus": 1.0, "memory_gb": 2.0, "pids": 1024}
 
 
 class HubError(Exception):
@@ -191,10 +198,28 @@ def close_passages() -> list[str]:
     return done
 
 
-def up(learners: list[str], password: str | None, port: int, limits: dict) -> dict:
+def slurm_settings(partition: str = "", time_limit: str = "", options: str = "") -> dict:
+    """What the Slurm spawner submits with, once sbatch's cluster answers (hub/jupyterhub_config.py)."""
+    for tool in ("sbatch", "squeue", "scancel", "sinfo"):
+        if shutil.which(tool) is None:
+            raise HubError(f"SPAWNER=slurm needs Slurm's {tool} on this machine (apt-get install slurm-client)")
+    probe = subprocess.run(["sinfo", "-h", "-o", "%P %a %D"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        raise HubError(f"SPAWNER=slurm: sinfo cannot reach a Slurm cluster ({probe.stderr.strip()}); "
+                       "SLURM_CONF names its slurm.conf (`make slurm-node` starts a one-node one here)")
+    settings = {"partition": partition, "time": time_limit, "options": options}
+    if os.environ.get("SLURM_CONF"):
+        settings["conf"] = os.environ["SLURM_CONF"]
+    return settings
+
+
+def up(learners: list[str], password: str | None, port: int, limits: dict, spawner: str = "local",
+       slurm: dict | None = None, hub_ip: str = "127.0.0.1") -> dict:
     reason = why_not()
     if reason:
         raise HubError(reason)
+    if spawner not in ("local", "slurm"):
+        raise HubError(f"SPAWNER={spawner}: say local (this machine, the default) or slurm")
     # the learners run the course's .venv, whose python is a link to the Python that made it
     closed = sorted(set(closed_to_learners(Path(sys.executable)) + closed_to_learners(Path(sys.prefix) / "bin")))
     if closed:
@@ -216,9 +241,12 @@ def up(learners: list[str], password: str | None, port: int, limits: dict) -> di
     os.chmod(progress, 0o1733)  # learners add their own file; nobody but root lists or reads others'
     settings = {"learners": learners, "password": password, "port": port, "limits": limits,
                 "course": str(course_clone()), "progress": str(progress), "proxy": str(install_proxy()),
-                "venv": str(Path(sys.prefix)), "state": str(state), "cgroup_name": CGROUP_NAME}
+                "venv": str(Path(sys.prefix)), "state": str(state), "cgroup_name": CGROUP_NAME,
+                "spawner": spawner, "hub_ip": hub_ip}
+    if spawner == "slurm":
+        settings["slurm"] = slurm if slurm is not None else slurm_settings()
     create_learners(learners)
-    for login in learners:
+    for login in learners if spawner == "local" else []:  # on Slurm, Slurm bounds each job
         make_cgroups(login, limits)
     state_file().write_text(json.dumps(settings, indent=1))
     os.chmod(state_file(), 0o600)
@@ -265,8 +293,11 @@ def down() -> list[str]:
         else:
             os.killpg(pid, signal.SIGKILL)
         done.append("stopped the hub and its proxy")
-    learners = json.loads(state_file().read_text())["learners"] if state_file().exists() else []
+    settings = json.loads(state_file().read_text()) if state_file().exists() else {}
+    learners = settings.get("learners", [])
     learners += [u.pw_name for u in pwd.getpwall() if ours(u.pw_name) and u.pw_name not in learners]
+    if "slurm" in settings:
+        done += cancel_jobs(learners, settings["slurm"])
     for login in learners:
         if ours(login):
             subprocess.run(["pkill", "-KILL", "-u", login], capture_output=True)
@@ -288,6 +319,16 @@ def down() -> list[str]:
     return done
 
 
+def cancel_jobs(learners: list[str], slurm: dict) -> list[str]:
+    """The learners' Slurm jobs the hub did not stop itself (it was killed, say), cancelled."""
+    env = {**os.environ, **({"SLURM_CONF": slurm["conf"]} if "conf" in slurm else {})}
+    ours_now = [login for login in learners if ours(login)]
+    if not ours_now or shutil.which("scancel") is None:
+        return []
+    done = subprocess.run(["scancel", "--full", f"--user={','.join(ours_now)}"], capture_output=True, env=env)
+    return ["cancelled the learners' Slurm jobs"] if done.returncode == 0 else []
+
+
 def leftovers() -> list[str]:
     """What `down` should have removed and is still there (empty when clean)."""
     left = [u.pw_name for u in pwd.getpwall() if ours(u.pw_name)]
@@ -306,6 +347,13 @@ def main(argv: list[str]) -> int:
     p_up.add_argument("--port", type=int, default=8000)
     p_up.add_argument("--cpus", type=float, default=LIMITS["cpus"], help="each learner's CPU quota, in cores")
     p_up.add_argument("--memory-gb", type=float, default=LIMITS["memory_gb"], help="each learner's memory limit")
+    p_up.add_argument("--spawner", choices=("local", "slurm"), default="local",
+                      help="where each learner's server runs: this machine, or a Slurm job")
+    p_up.add_argument("--partition", default="", help="SPAWNER=slurm: the partition (default: the cluster's)")
+    p_up.add_argument("--time", default="", help="SPAWNER=slurm: each server's time limit, e.g. 8:00:00")
+    p_up.add_argument("--slurm-options", default="", help="SPAWNER=slurm: more sbatch options, e.g. --account=ws")
+    p_up.add_argument("--hub-ip", default="127.0.0.1", help="where the servers reach the hub (SPAWNER=slurm on "
+                      "other nodes: an address of this machine they can reach)")
     sub.add_parser("down", help="stop the hub, remove its learners, cgroups and files")
     p_room = sub.add_parser("room", help="the instructor's table: every learner's latest verdict per lab")
     p_room.add_argument("--watch", type=float, default=2)
@@ -313,9 +361,11 @@ def main(argv: list[str]) -> int:
     try:
         if opts.command == "up":
             limits = {**LIMITS, "cpus": opts.cpus, "memory_gb": opts.memory_gb}
-            s = up(opts.learners.split(), opts.password, opts.port, limits)
+            slurm = slurm_settings(opts.partition, opts.time, opts.slurm_options) if opts.spawner == "slurm" else None
+            s = up(opts.learners.split(), opts.password, opts.port, limits, opts.spawner, slurm, opts.hub_ip)
             print(f"hub up: http://127.0.0.1:{s['port']}/  learners: {' '.join(s['learners'])}  "
-                  f"password: {s['password']}\n  each learner: {limits['cpus']:g} CPU, {limits['memory_gb']:g} GB; "
+                  f"password: {s['password']}\n  each learner: {limits['cpus']:g} CPU, {limits['memory_gb']:g} GB"
+                  f"{' (a Slurm job each)' if opts.spawner == 'slurm' else ''}; "
                   f"`make room` shows who passed what; `make hub-down` removes it all")
         elif opts.command == "down":
             removed = down()

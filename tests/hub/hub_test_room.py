@@ -8,7 +8,10 @@ Each learner, in a browser context of their own, all at once:
 Then the instructor's table (`make room`'s source) must show every learner's PASS of lab 00, and
 `make hub-down` must leave no user, cgroup, file or process behind.
 
-Run with `make hub-test` (root; HUB_LEARNERS=K, default 4). The file name does not match pytest's
+Run with `make hub-test` (root; HUB_LEARNERS=K, default 4). `make hub-test SPAWNER=slurm`
+(HUB_SPAWNER=slurm) runs the same room with each learner's server a Slurm job (batchspawner), on a
+one-node Slurm started for it (tools/slurm_node.py, the one tests/test_slurm.py starts) that bounds
+each job in cgroups of its own (--cpus-per-task, --mem). The file name does not match pytest's
 test_*.py on purpose, so that `pytest tests` never collects it. The measured times go to
 runs/hub/room.txt: how long K learners took, which `docs/INSTRUCTORS.md` quotes.
 """
@@ -16,8 +19,10 @@ runs/hub/room.txt: how long K learners took, which `docs/INSTRUCTORS.md` quotes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,22 +31,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from tools import hub  # noqa: E402
+from tools import hub, hub_memory, slurm_node  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "ui"))
 from ui_test_workshop import CHROMIUM, CHROMIUM_ARGS, KERNEL_READY, RUN_FINISHED  # noqa: E402
 
 K = int(os.environ.get("HUB_LEARNERS", "4"))
+SPAWNER = os.environ.get("HUB_SPAWNER") or "local"
+SLURM_DIR = Path("/srv/ringside-slurm-room-test")  # the learners' jobs read its slurm.conf: not under /tmp/pytest-of-root
 LEARNERS = [f"room{i + 1}" for i in range(K)]
 PASSWORD = "ringside-room-test"
 PORT = int(os.environ.get("HUB_PORT", "8000"))
 BASE = f"http://127.0.0.1:{PORT}"
 OUT = ROOT / "runs" / "hub"
-LOGIN_TIMEOUT = 300      # s; K servers spawning at once on 2 cores
-RUN_ALL_TIMEOUT = 600    # s; chapter 00 while K-1 others run it too
-LAB_TIMEOUT = 300        # s; `make lab CH=00 NPROC=2` in the terminal
+# Seconds. Everyone does the same thing at once on a box of few cores, so each step's wait grows with
+# K: the measured times (docs/INSTRUCTORS.md) grow about as K / cores; the floors are the 4-learner ones.
+LOGIN_TIMEOUT = max(300, 30 * K)     # K servers spawning at once
+KERNEL_TIMEOUT = max(180, 20 * K)    # the notebook's kernel (and its rank starter) importing torch
+RUN_ALL_TIMEOUT = max(600, 60 * K)   # chapter 00 while K-1 others run it too
+LAB_TIMEOUT = max(300, 20 * K)       # `make lab CH=00 NPROC=2` in the terminal
 
-pytestmark = pytest.mark.skipif(hub.why_not() is not None, reason=hub.why_not() or "")
+pytestmark = [pytest.mark.skipif(hub.why_not() is not None, reason=hub.why_not() or ""),
+              pytest.mark.skipif(SPAWNER == "slurm" and slurm_node.why_not() is not None,
+                                 reason=f"SPAWNER=slurm: {slurm_node.why_not()}")]
 
 # The terminal's output, collected in the page: a terminal session of the learner's own server,
 # started through JupyterLab's service manager, fed one command, read until a marker line.
@@ -72,11 +84,38 @@ def room():
     # interrupted run, make hub-down) puts the modes back
     OPENED[:] = hub.closed_to_learners(Path(sys.executable))
     hub.open_passage(OPENED)
+    with one_node_slurm() as slurm:
+        try:
+            yield hub.up(LEARNERS, PASSWORD, PORT, hub.LIMITS, SPAWNER, slurm)
+        finally:
+            hub.down()
+
+
+def keep_hub_log() -> None:
+    """The hub's log (the learners' servers log there too), kept in runs/hub/: down() removes the hub's."""
+    log = hub.HUB_DIR / "state" / "hub.log"
+    if log.exists():
+        OUT.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, OUT / "hub.log")
+
+
+@contextlib.contextmanager
+def one_node_slurm():
+    """SPAWNER=slurm: a one-node Slurm for the room, its settings for the hub; else nothing (None)."""
+    if SPAWNER != "slurm":
+        yield None
+        return
+    shutil.rmtree(SLURM_DIR, ignore_errors=True)
+    cluster = slurm_node.Cluster(SLURM_DIR, cgroups=True, share=K)
     try:
-        settings = hub.up(LEARNERS, PASSWORD, PORT, hub.LIMITS)
-        yield settings
+        SLURM_DIR.mkdir(mode=0o755, parents=True)
+        cluster.start()
+        os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]  # what the hub's sinfo and sbatch read
+        yield hub.slurm_settings(partition="test", time_limit="30")
     finally:
-        hub.down()
+        os.environ.pop("SLURM_CONF", None)
+        cluster.stop()
+        shutil.rmtree(SLURM_DIR, ignore_errors=True)
 
 
 async def learner(browser, name: str, times: dict) -> list[str]:
@@ -96,7 +135,7 @@ async def learner(browser, name: str, times: dict) -> list[str]:
 
         start = time.monotonic()
         await page.goto(f"{BASE}/user/{name}/lab/tree/ringside/chapters/00_setup.ipynb", timeout=120_000)
-        await page.wait_for_function(KERNEL_READY, arg="00_setup.ipynb", timeout=180_000, polling=500)
+        await page.wait_for_function(KERNEL_READY, arg="00_setup.ipynb", timeout=KERNEL_TIMEOUT * 1000, polling=500)
         await page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
         await page.wait_for_timeout(2000)
         await page.wait_for_function(RUN_FINISHED, timeout=RUN_ALL_TIMEOUT * 1000, polling=1000)
@@ -144,16 +183,18 @@ async def whole_room() -> tuple[list[str], dict]:
 @pytest.mark.timeout(LOGIN_TIMEOUT + RUN_ALL_TIMEOUT + 2 * LAB_TIMEOUT + 300)
 def test_a_room_of_learners_at_once(room):
     start = time.monotonic()
-    problems, times = asyncio.run(whole_room())
+    with hub_memory.Sampler(LEARNERS, hub.CGROUP_NAME, every=3 if K <= 8 else 5) as memory:
+        problems, times = asyncio.run(whole_room())
     total = time.monotonic() - start
+    keep_hub_log()
     from ringside import progress
 
     table = progress.latest(Path(room["progress"]))
-    lines = [f"{K} learners at once on {os.cpu_count()} cores ({hub.LIMITS['cpus']:g} CPU, "
+    lines = [f"{K} learners at once ({SPAWNER} spawner) on {os.cpu_count()} cores ({hub.LIMITS['cpus']:g} CPU, "
              f"{hub.LIMITS['memory_gb']:g} GB each): {total:.0f} s in all, load now "
              + ", ".join(f"{x:.1f}" for x in os.getloadavg())]
     lines += [f"  {name}: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()) for name, t in times.items()]
-    lines += ["", progress.render(table, details=True)]
+    lines += ["", memory.report(), "", progress.render(table, details=True)]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "room.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
