@@ -202,30 +202,38 @@ def check_outer(checks: Checks, me: Rank, dtype, lr: float, momentum: float, rou
     if inputs.changed():
         return settle(checks, f"{what}: building it changed the model's parameters - leave them as they are")
     right = replay("right", anchor0, moves, lr, momentum, n)
-    seen = []
-    for k in range(rounds):
+    seen, wrong, zeros = [], None, False
+    for k in range(rounds):  # every round runs, so that a diagnosis can follow the whole trajectory
         with torch.no_grad():
             for p, mv in zip(params, moves[k][me.rank]):
                 p.sub_(mv)  # what this rank's inner steps did
         _, calls = recorded(outer.sync)
         seen.append([p.detach().clone() for p in params])
-        wrong = traffic_mistake(f"sync() of {what}", calls, params)
+        sent = [s.reshape(-1) for c in calls for s in (c.snapshot or [])]
+        zeros = zeros or (k == 0 and bool(sent) and not torch.cat(sent).abs().any())
+        if wrong is None:
+            wrong = traffic_mistake(f"sync() of {what}", calls, params)
         if wrong is None and not close(seen[-1], right[k][me.rank]):
-            wrong = f"{what}: after sync {k + 1} the parameters differ from torch.optim.SGD(nesterov=True) on the " \
-                    f"averaged pseudo-gradient by {max((a - b).abs().max().item() for a, b in zip(seen[-1], right[k][me.rank])):.2e}"
-            sent = torch.cat([s.reshape(-1) for c in calls for s in (c.snapshot or [])]).double() if calls else None
-            if k == 0 and sent is not None and not sent.abs().any():
-                wrong += (" - the pseudo-gradient it sent was all zeros: the anchor is the model's own parameters "
-                          "(no copy), so it moves with them")
-            else:
-                wrong += " - " + replayed_mistake(seen, anchor0, moves, lr, momentum, n, me.rank)
-        if not settle(checks, wrong):
-            return False
-    return True
+            diff = max((a - b).abs().max().item() for a, b in zip(seen[-1], right[k][me.rank]))
+            wrong = (f"{what}: after sync {k + 1} the parameters differ from torch.optim.SGD(nesterov=True) on the "
+                     f"averaged pseudo-gradient by {diff:.2e}")
+    if wrong is not None and wrong.startswith(what):
+        if zeros:
+            wrong += (" - the pseudo-gradient it sent was all zeros: the anchor is the model's own parameters "
+                      "(no copy), so it moves with them")
+        else:
+            wrong += " - " + replayed_mistake(seen, anchor0, moves, lr, momentum, n, me.rank, outer, dtype)
+    return settle(checks, wrong)
 
 
-def replayed_mistake(seen, anchor0, moves, lr, momentum, n, rank) -> str:
-    """The known mistake that predicts what this rank saw on every sync so far, else a neutral hint."""
+def replayed_mistake(seen, anchor0, moves, lr, momentum, n, rank, outer, dtype) -> str:
+    """The known mistake that predicts what this rank saw on every sync, else a neutral hint."""
+    held = [t for v in vars(outer).values() if isinstance(v, (list, tuple))
+            for t in v if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if any(t.dtype != dtype for t in held):
+        other = next(t.dtype for t in held if t.dtype != dtype)
+        return (f"the outer state holds {other} tensors for {dtype} parameters: make the anchor and the buffers "
+                f"in the parameters' dtype (clone, zeros_like)")
     for kind, words in MISTAKES.items():
         if (kind == "sum" and n == 1) or (kind in ("no_momentum", "heavy_ball") and momentum == 0):
             continue
@@ -238,9 +246,9 @@ def replayed_mistake(seen, anchor0, moves, lr, momentum, n, rank) -> str:
 # --- training with the lab's loop, and a resume -------------------------------------------------------
 
 
-def simulate(steps: int, h: int, n: int) -> tuple[list[list[torch.Tensor]], list[list[float]]]:
+def simulate(steps: int, h: int, n: int, zero: bool = True) -> tuple[list[list[torch.Tensor]], list[list[float]]]:
     """Every rank's parameters after `steps` inner steps of AdamW with a DiLoCo sync (torch.optim.SGD) after
-    every h-th, and their losses: one process simulating the ranks."""
+    every h-th, and their losses: one process simulating the ranks (zero=False: gradients never zeroed)."""
     models = [lab.make_model() for _ in range(n)]
     inners = [torch.optim.AdamW(m.parameters(), lr=lab.INNER_LR) for m in models]
     anchor = [nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
@@ -249,7 +257,8 @@ def simulate(steps: int, h: int, n: int) -> tuple[list[list[torch.Tensor]], list
     losses = [[] for _ in range(n)]
     for step in range(steps):
         for r in range(n):
-            inners[r].zero_grad()
+            if zero:
+                inners[r].zero_grad()
             loss = F.cross_entropy(models[r](data[r][step][0]), data[r][step][1])
             loss.backward()
             inners[r].step()
@@ -305,8 +314,12 @@ def check_train(checks: Checks, me: Rank) -> bool:
         if len(losses) != steps or not torch.allclose(torch.tensor(losses), torch.tensor(everyone_losses[me.rank]),
                                                       rtol=1e-5, atol=1e-6):
             wrong = (f"train returned losses {[round(x, 4) for x in losses[:h + 1]]}..., one process simulating the "
-                     f"ranks had {[round(x, 4) for x in everyone_losses[me.rank][:h + 1]]}... - one loss per inner step; "
-                     f"zero the gradients before each backward (they accumulate otherwise)")
+                     f"ranks had {[round(x, 4) for x in everyone_losses[me.rank][:h + 1]]}...")
+            summed = simulate(steps, h, n, zero=False)[1][me.rank]
+            if len(losses) == steps and torch.allclose(torch.tensor(losses), torch.tensor(summed), rtol=1e-4, atol=1e-5):
+                wrong += " - the gradients accumulate over the inner steps: zero the gradients before each backward"
+            elif len(losses) != steps:
+                wrong += f" - {len(losses)} losses for {steps} inner steps: return one loss per inner step"
         elif not close(params, everyone_params[me.rank]):
             wrong = f"after train({steps} steps, h={h}) the parameters differ from one process simulating every rank"
     if not settle(checks, wrong):
