@@ -301,7 +301,7 @@ def check_train(checks: Checks, me: Rank) -> bool:
         wrong = (f"train(h={h}) over {steps} inner steps communicated at steps {syncs or 'none'}, expected after "
                  f"steps {h}, {2 * h} and {3 * h} only" + (
                      ": it syncs at every inner step - DDP's traffic, not DiLoCo's" if len(syncs) == steps else
-                     ": a sync before the first step (count the steps from 1, or sync after step % h == h - 1)"
+                     ": a sync after the first inner step - the steps counted from 0 (step % h == 0 at step 0); count them from 1"
                      if syncs and syncs[0] == 1 else
                      ": no sync after a last round shorter than h" if len(syncs) > 3 else ""))
     elif any(per_step[s - 1] != want_bytes for s in syncs):

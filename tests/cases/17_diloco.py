@@ -2,6 +2,8 @@
 
 from mutation import Mutation, Variant
 
+NPROCS = (1, 2, 3, 4, 5)
+
 MUTATIONS = [
     Mutation("pseudo-gradient's sign flipped", "(a - p.detach()).reshape(-1)", "(p.detach() - a).reshape(-1)",
              "the pseudo-gradient's sign is flipped", 2),
@@ -49,7 +51,7 @@ MUTATIONS = [
     Mutation("sync at every inner step", "        if step % h == 0:\n", "        if True:\n",
              "it syncs at every inner step", 2),
     Mutation("sync before the first step (counted from 0)", "    for step, (x, y) in enumerate(batches, start=1):\n",
-             "    for step, (x, y) in enumerate(batches):\n", "a sync before the first step", 2),
+             "    for step, (x, y) in enumerate(batches):\n", "the steps counted from 0", 2),
     Mutation("gradients never zeroed", "        inner.zero_grad()\n", "", "zero the gradients before each backward", 2),
 ]
 
