@@ -5,9 +5,10 @@ from mutation import Mutation, Variant
 NPROCS = (1, 2, 3, 4, 5)
 
 MUTATIONS = [
-    Mutation("pseudo-gradient's sign flipped", "(a - p.detach()).reshape(-1)", "(p.detach() - a).reshape(-1)",
+    Mutation("pseudo-gradient's sign flipped", "    flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(anchor, params)])\n",
+             "    flat = torch.cat([(p.detach() - a).reshape(-1) for a, p in zip(anchor, params)])\n",
              "the pseudo-gradient's sign is flipped", 2),
-    Mutation("summed, not averaged", "dist.all_reduce(flat, op=dist.ReduceOp.AVG)", "dist.all_reduce(flat)",
+    Mutation("summed, not averaged", "    dist.all_reduce(flat, op=dist.ReduceOp.AVG)\n", "    dist.all_reduce(flat)\n",
              "summed but not divided", 2),
     Mutation("divided twice", "    return [d.view_as(p) for d, p in zip(flat.split(",
              "    flat /= dist.get_world_size()\n    return [d.view_as(p) for d, p in zip(flat.split(",
@@ -21,8 +22,8 @@ MUTATIONS = [
              "    flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(anchor, params)])\n",
              "    flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(anchor, params)]).float()\n",
              "send the pseudo-gradient in their dtype", 2),
-    Mutation("async all-reduce never waited", "dist.all_reduce(flat, op=dist.ReduceOp.AVG)",
-             "dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)", "never waited for", 2),
+    Mutation("async all-reduce never waited", "    dist.all_reduce(flat, op=dist.ReduceOp.AVG)\n",
+             "    dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)\n", "never waited for", 2),
     Mutation("momentum without nesterov", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n",
              "            anchor.sub_(buf, alpha=self.lr)\n", "momentum without nesterov", 2),
     Mutation("momentum buffers never used", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n",
