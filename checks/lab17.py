@@ -356,7 +356,7 @@ def check_resume(checks: Checks, me: Rank) -> bool:
     except Exception as error:
         state = None
         wrong = (f"the outer state_dict() could not be saved and read back with torch.load(weights_only=True) "
-                 f"({type(error).__name__}: {str(error).splitlines()[0][:120]}): keep it to tensors, lists and numbers")
+                 f"({type(error).__name__}: {str(error).split('.')[0][:80]}): keep it to tensors, lists and numbers")
     if state is not None:
         model, inner = fresh()
         outer = lab.DiLoCo(model)  # built first, loaded after: as a script does on a restart
