@@ -109,4 +109,11 @@ CORRECT = [
             "        return {\"state\": {i: {\"anchor\": a, \"momentum_buffer\": b}\n"
             "                          for i, (a, b) in enumerate(zip(self.anchor, self.buffers))},\n"
             "                \"lr\": self.lr, \"momentum\": self.momentum, \"anchor\": self.anchor, \"buffers\": self.buffers}\n", 2),
+    Variant("the loop counts inner steps since the last sync, and keeps loss tensors' values after the step",
+            "        inner.zero_grad()\n        loss = F.cross_entropy(model(x), y)\n        loss.backward()\n"
+            "        inner.step()\n        losses.append(loss.item())\n        if step % h == 0:\n            outer.sync()\n",
+            "        model.zero_grad(set_to_none=True)\n        loss = F.cross_entropy(model(x), y)\n        loss.backward()\n"
+            "        inner.step()\n        outer.since = getattr(outer, \"since\", 0) + 1\n"
+            "        if outer.since == h:\n            outer.sync()\n            outer.since = 0\n"
+            "        losses.append(float(loss))\n", 3),
 ]
