@@ -223,6 +223,10 @@ cluster-overlap: setup ## (root) chapter 12: a DDP step with and without overlap
 cluster-fsdp: setup ## (root) chapter 16: a ZeRO-3 step with and without prefetching on 2 hosts, RATE links; writes assets/16_fsdp/cluster.json
 	$(PY) -m tools.fsdp_bench --rate $(RATE)
 
+.PHONY: cluster-diloco
+cluster-diloco: setup ## (root) chapter 17: DDP, local SGD and DiLoCo trained on 4 hosts at 100mbit and 1gbit links; writes assets/17_diloco/cluster.json
+	$(PY) -m tools.diloco_bench --rates 100mbit,1gbit --hosts 4
+
 .PHONY: cluster-hierarchy
 cluster-hierarchy: setup ## (root) chapter 15: links, flat vs hierarchical all-reduce, DDP/FSDP/HSDP steps on 2 and 4 hosts x 2 ranks; writes assets/15_hierarchy/cluster.json
 	$(PY) -m tools.hierarchy_bench --rate $(RATE) --reps 7

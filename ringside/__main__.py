@@ -56,13 +56,14 @@ def run_forked(script: str, nproc: int, *args: str, timeout: float = TIMEOUT) ->
 
 
 def _builds_ddp(script: str) -> bool:
-    """Whether the lab or its check builds DDP or FSDP, whose first use imports torch._dynamo (2 s of
-    CPU): then it is imported once here rather than in every rank. A guess from the source: a wrong
-    one costs time, never a result (a rank imports what it needs)."""
+    """Whether the lab or its check builds DDP or FSDP or steps a torch.optim optimizer, whose first use
+    imports torch._dynamo (2 s of CPU; an optimizer's first step() 1.2 s): then it is imported once here
+    rather than in every rank. A guess from the source: a wrong one costs time, never a result (a rank
+    imports what it needs)."""
     path = Path(script)
     check = path.resolve().parent.parent / "checks" / f"lab{path.name[:2]}.py"
     texts = [path.read_text()] + ([check.read_text()] if check.exists() else [])
-    return any(word in text for text in texts for word in ("DistributedDataParallel", "fully_shard"))
+    return any(word in text for text in texts for word in ("DistributedDataParallel", "fully_shard", "torch.optim."))
 
 
 def _agent_noise(line: str) -> bool:

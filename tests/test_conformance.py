@@ -1,13 +1,13 @@
 """Every mechanism the course builds by hand agrees with PyTorch's own, on generated cases.
 
 The solutions' ring all-reduce (lab 04), home-made DDPs (labs 04 and 12), sharded Adam (lab 13),
-sampler (06), synchronized BatchNorm (07), loss scaler (09) and exact evaluation (10) are run on
-models and sizes the labs never use - world sizes 1 to 5, sizes that do not divide, frozen, tied and
-unused parameters, buffers, ranks that start from different weights, bucket caps from one element
-to everything, accumulation windows - and compared with DistributedDataParallel, torch.optim.Adam
-and AdamW, DistributedSampler, BatchNorm on the gathered batch, GradScaler and a one-process
-evaluation. hypothesis draws the cases from a fixed seed (derandomize) and a bounded number of
-examples, so the suite is fast and the same on every run.
+sampler (06), synchronized BatchNorm (07), loss scaler (09), exact evaluation (10) and DiLoCo's outer
+step (17) are run on models and sizes the labs never use - world sizes 1 to 5, sizes that do not divide,
+frozen, tied and unused parameters, buffers, ranks that start from different weights, bucket caps from
+one element to everything, accumulation windows - and compared with DistributedDataParallel,
+torch.optim.Adam and AdamW, DistributedSampler, BatchNorm on the gathered batch, GradScaler, a
+one-process evaluation and torch.optim.SGD(nesterov=True). hypothesis draws the cases from a fixed seed
+(derandomize) and a bounded number of examples, so the suite is fast and the same on every run.
 """
 
 from __future__ import annotations
@@ -412,3 +412,41 @@ def test_lab10_exact_metrics_equal_one_process(world_size, n, batch):
         assert accuracy == pytest.approx(want_accuracy, abs=1e-12)
         assert loss == pytest.approx(want_loss, rel=1e-6)
 
+
+
+# --- Lab 17: DiLoCo's outer step against torch.optim.SGD(nesterov=True) ----------------------------
+
+
+def diloco_vs_sgd(rank: int, world_size: int, shapes: list, lr: float, momentum: float, syncs: int) -> str | None:
+    lab = solution("17_diloco")
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in shapes]
+    model = nn.Module()
+    model.params = nn.ParameterList([nn.Parameter(t.clone()) for t in start])
+    outer = lab.DiLoCo(model, lr=lr, momentum=momentum)
+    reference = [nn.Parameter(t.clone()) for t in start]
+    sgd = torch.optim.SGD(reference, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    for sync in range(syncs):
+        moves = [[torch.randn(s, generator=torch.Generator().manual_seed(100 * sync + r)) for s in shapes]
+                 for r in range(world_size)]  # every rank knows every rank's moves: the reference needs them
+        with torch.no_grad():
+            for p, move in zip(model.params, moves[rank]):
+                p.sub_(move)
+        outer.sync()
+        for i, q in enumerate(reference):  # pseudo-gradient of rank r: anchor - (anchor - move) = move
+            q.grad = torch.stack([moves[r][i] for r in range(world_size)]).mean(0)
+        sgd.step()
+        for i, (p, q) in enumerate(zip(model.params, reference)):
+            if not close(p, q):
+                return f"sync {sync}, parameter {i} {tuple(p.shape)}: {p.detach()} vs {q.detach()}"
+    return None
+
+
+@generated(examples=8)
+@given(world_size=st.integers(1, 5), shapes=st.lists(st.lists(st.integers(1, 5), max_size=2), min_size=1, max_size=3),
+       outer=st.sampled_from([(0.7, 0.9), (1.0, 0.0), (0.3, 0.5)]), syncs=st.integers(1, 3))
+def test_lab17_diloco_outer_step_equals_sgd_nesterov(world_size, shapes, outer, syncs):
+    """Scalars (shape ()), vectors and matrices; local SGD is (1.0, 0.0): the average of the ranks."""
+    results = run_ranks(diloco_vs_sgd, world_size, [tuple(s) for s in shapes], *outer, syncs, show_output=False,
+                        timeout=60)
+    assert results == [None] * world_size, results
