@@ -171,6 +171,28 @@ def node_command(i: int, script: str | Path, hosts: int, nproc_per_host: int, *a
         **rendezvous)]
 
 
+def run_bench(script: str | Path, hosts: int, rate: str, args: list, name: str, timeout: float = 900,
+              nproc_per_host: int = 1) -> int:
+    """A bench's measurement: build `hosts` hosts with `rate` links, run `script` on them as one job,
+    take the cluster down whatever happened, and print each host's output. 0 when every host
+    succeeded; else 1, with the cluster's error or the failed host's stderr on stderr."""
+    try:
+        up(hosts, rate)
+        try:
+            results = run_job(Path(script), hosts, *map(str, args), nproc_per_host=nproc_per_host, timeout=timeout)
+        finally:
+            down()
+    except ClusterError as error:
+        print(f"{name}: {error}", file=sys.stderr)
+        return 1
+    for i, r in enumerate(results):
+        print(r.stdout, end="")
+        if r.returncode != 0:
+            print(f"host {i} failed (exit {r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def run_job(script: str | Path, hosts: int, *args: str, nproc_per_host: int = 1, timeout: float = 180,
             env: dict[str, str] | None = None, c10d: bool = False,
             max_restarts: int = 0) -> list[subprocess.CompletedProcess]:

@@ -229,20 +229,8 @@ def main(argv: list[str]) -> int:
         args = ["--worker", "--rate", rate, "--methods", opts.methods, "--steps", opts.steps, "--eval-every",
                 opts.eval_every, "--batch", opts.batch, "--width", opts.width, "--inner-lr", opts.inner_lr,
                 "--outer-lr", opts.outer_lr, "--outer-momentum", opts.outer_momentum, "--out", Path(opts.out).resolve()]
-        try:
-            cluster.up(opts.hosts, rate)
-            try:
-                results = cluster.run_job(Path(__file__), opts.hosts, *map(str, args), timeout=opts.timeout)
-            finally:
-                cluster.down()
-        except cluster.ClusterError as error:
-            print(f"diloco bench: {error}", file=sys.stderr)
+        if cluster.run_bench(__file__, opts.hosts, rate, args, "diloco bench", timeout=opts.timeout):
             return 1
-        for i, r in enumerate(results):
-            print(r.stdout, end="")
-            if r.returncode != 0:
-                print(f"host {i} failed (exit {r.returncode}):\n{r.stderr[-2000:]}", file=sys.stderr)
-                return 1
     return 0
 
 

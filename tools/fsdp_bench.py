@@ -181,21 +181,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, cluster._interrupt)  # `kill` takes the cluster down, as Ctrl-C does
     args = ["--worker", "--rate", opts.rate, "--rounds", opts.rounds, "--warmup", opts.warmup, "--layers", opts.layers,
             "--width", opts.width, "--batch", opts.batch, "--out", Path(opts.out).resolve()]
-    try:
-        cluster.up(HOSTS, opts.rate)
-        try:
-            results = cluster.run_job(Path(__file__), HOSTS, *map(str, args), timeout=opts.timeout)
-        finally:
-            cluster.down()
-    except cluster.ClusterError as error:
-        print(f"fsdp bench: {error}", file=sys.stderr)
-        return 1
-    for i, r in enumerate(results):
-        print(r.stdout, end="")
-        if r.returncode != 0:
-            print(f"host {i} failed (exit {r.returncode}):\n{r.stderr[-2000:]}", file=sys.stderr)
-            return 1
-    return 0
+    return cluster.run_bench(__file__, HOSTS, opts.rate, args, "fsdp bench", timeout=opts.timeout)
 
 
 if __name__ == "__main__":

@@ -242,22 +242,9 @@ def main(argv: list[str]) -> int:
         part = Path(opts.out).with_name(f".part_{hosts}.json")
         args = ["--worker", "--rate", opts.rate, "--reps", opts.reps, "--steps", opts.steps, "--widths", opts.widths,
                 "--layers", opts.layers, "--batch", opts.batch, "--part", part.resolve()]
-        try:
-            cluster.up(hosts, opts.rate)
-            try:
-                print(f"-- {hosts} hosts x {PER_HOST} ranks, {opts.rate} links", flush=True)
-                results = cluster.run_job(Path(__file__), hosts, *map(str, args), nproc_per_host=PER_HOST,
-                                          timeout=900)
-            finally:
-                cluster.down()
-        except cluster.ClusterError as error:
-            print(f"hierarchy bench: {error}", file=sys.stderr)
+        print(f"-- {hosts} hosts x {PER_HOST} ranks, {opts.rate} links", flush=True)
+        if cluster.run_bench(__file__, hosts, opts.rate, args, "hierarchy bench", nproc_per_host=PER_HOST):
             return 1
-        for i, r in enumerate(results):
-            print(r.stdout, end="")
-            if r.returncode != 0:
-                print(f"host {i} failed (exit {r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
-                return 1
         merged["runs"][str(hosts)] = json.loads(part.read_text())
         part.unlink()
     Path(opts.out).write_text(json.dumps(merged, indent=1) + "\n")
