@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
 from ringside.compare import all_gather_tensor, flat_params, max_diff
+from ringside.effects import changed_in_flight
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -33,11 +34,12 @@ BLOCKING = ("wait", "synchronize", "future.wait", "future.value", "wait_all")
 
 
 @contextmanager
-def recording_all_reduce(events: list, buffers: list | None = None) -> Iterator[None]:
+def recording_all_reduce(events: list, buffers: list | None = None, raced: list | None = None) -> Iterator[None]:
     """For the block, every all-reduce - through torch.distributed, the module it comes from, or a
     name the lab imported directly (ringside.calls.Recorder) - notes ("launch", elements, async?,
     a copy of the buffer at launch) in `events`, and ("wait", how) once the lab's code has seen it
-    finish, whichever way it waited (Work.wait, get_future().wait(), .then, .value(), ...)."""
+    finish, whichever way it waited (Work.wait, get_future().wait(), .then, .value(), ...). `raced`
+    gets the elements of each all-reduce whose buffer the lab's code changed while it was in flight."""
     def launched(call):
         if call.family == "all_reduce":
             events.append(("launch", call.numel, call.async_op, call.snapshot[0]))
@@ -47,6 +49,8 @@ def recording_all_reduce(events: list, buffers: list | None = None) -> Iterator[
     def completed(call):
         if call.family == "all_reduce" and call.completed_by != "blocking":
             events.append(("wait", call.completed_by))
+            if raced is not None and changed_in_flight([call]):
+                raced.append(call.numel)
 
     with Recorder(namespaces=lab_namespaces(lab), on_call=launched, on_complete=completed, snapshot=True):
         yield
@@ -530,13 +534,19 @@ def main(me: Rank, checks: Checks) -> None:
     def grab():
         grads.extend(None if p.grad is None else p.grad.detach().clone() for p in model.parameters())
     buffers: list = []  # weak references to every launched buffer
+    raced: list = []  # buckets whose buffer was changed while its all-reduce was in flight
     try:
-        with recording_all_reduce(events, buffers):
+        with recording_all_reduce(events, buffers, raced):
             lab.train(hand, windows, me.device, events=events, after_first=grab)
     except Exception:
         check_async(checks, events, me.rank)  # a blocking all_reduce returns no Work to wait on
         raise
     check_async(checks, events, me.rank)
+    if raced:  # whatever the timing: its effect on the sums depends on who got there first
+        checks.fail(f"rank {me.rank}: the buffer of a bucket of {raced[0]} elements was changed (divided?) after its "
+                    f"all-reduce was launched and before its work.wait() returns: what the ranks sum is then "
+                    f"whatever the race left - change it only after the wait (or before the launch)")
+        return
     gc.collect()
     kept = len({id(b()) for b in buffers if b() is not None})
     # The gradients are compared only when the order of events is right: a step taken before the

@@ -54,6 +54,9 @@ Each `Call` is a dict whose keys read as attributes too (`call.op` or `call["op"
                   code has returned, to drain what it left in flight; that does not mark it completed)
     refused       True if the call was refused (see `refuse`) or stopped by `on_call`
     snapshot      a copy of what it hands in, taken before it ran (Recorder(snapshot=True) only)
+    changed_in_flight  True if the learner's code wrote (in place) into a tensor of an async call
+                  after posting it and before it completed: the data sent, or the result, is then
+                  whatever the race left (read from the tensors' version counters; None until completed)
 
 Options
 -------
@@ -140,12 +143,22 @@ class Call(dict):
     def complete(self, how: str) -> None:
         if not self["completed"]:
             self["completed"], self["waited"], self["completed_by"] = True, True, how
+            self["changed_in_flight"] = any(ref() is not None and _version(ref()) != version
+                                            for ref, version in self.get("versions", ()))
             # let go of the real work: its future holds what the call wrote (through the relay to
             # the learner's future), which must be freed when the learner's code drops it
             self["work"] = None
             notify = getattr(self, "_on_complete", None)
             if notify is not None:
                 notify(self)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (each in-place write moves it); None for an inference tensor."""
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -220,7 +233,7 @@ class Recorder:
             tag=arguments.get("tag", 0) if name in P2P else None,
             async_op=name in ("isend", "irecv") or bool(arguments.get("async_op", False)),
             batch=self.in_batch, work=None, completed=False, waited=False, completed_by=None,
-            pending=[c["index"] for c in self.calls if not c["completed"]],
+            pending=[c["index"] for c in self.calls if not c["completed"]], changed_in_flight=None,
             snapshot=[t.detach().clone() for t in inputs] if self.snapshot else None)
         call._on_complete = self.on_complete
         self.calls.append(call)
@@ -257,6 +270,10 @@ class Recorder:
                 noted.complete("blocking")
                 return result
             noted["work"] = result
+            # each tensor's version counter once posted (the call's own write counts already): an
+            # in-place write by the learner's code before completion moves it
+            noted["versions"] = [(weakref.ref(t), _version(t)) for t in
+                                 {id(t): t for t in noted["tensors"] + [r() for r in noted["outputs"]] if t is not None}.values()]
             return Recorded(result, [noted]) if result is not None else result
         call.__wrapped__ = original
         return call

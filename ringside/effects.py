@@ -5,13 +5,14 @@ about one lab at all: whether it changed an input the contract leaves alone, whe
 in flight, whether what it returned keeps more memory alive than its own elements. This module
 observes those, so that each check keeps only what is specific to its lab.
 
-    from ringside.effects import Inputs, never_waited, storage_excess
+    from ringside.effects import Inputs, changed_in_flight, never_waited, storage_excess
 
     inputs = Inputs(flat=flat, shard=shard)     # copies taken now
     lab.fn(flat, shard)
     inputs.changed()                            # ["flat"]: the names whose tensors differ now
 
     never_waited(recorder.calls)                # the recorded requests the learner's code never completed
+    changed_in_flight(recorder.calls)           # the requests whose tensors it changed before they completed
     storage_excess(shard)                       # (held, own) bytes when its storage is larger than itself
 """
 
@@ -69,6 +70,12 @@ def never_waited(calls: Iterable) -> list:
     have waited (Work.wait, a future, a callback): a receive not necessarily arrived, a send whose buffer
     the caller may still change. Blocking calls complete at their return, so only requests show."""
     return [call for call in calls if not call["completed"] and not call.get("refused")]
+
+
+def changed_in_flight(calls: Iterable) -> list:
+    """The calls (ringside.calls records) whose tensors the learner's code changed in place after posting
+    them and before they completed: what was sent, or what arrived, is then whatever the race left."""
+    return [call for call in calls if call.get("changed_in_flight")]
 
 
 def unwaited_diagnosis(name: str, calls: Iterable) -> str | None:

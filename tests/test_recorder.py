@@ -115,3 +115,29 @@ def test_restores_every_name():
         assert dist.all_reduce is c10d.all_reduce is globals()["imported_all_reduce"] is not before[0]
     assert (dist.all_reduce, c10d.all_reduce, dist.isend, torch.futures.wait_all,
             globals()["imported_all_reduce"]) == before
+
+
+def writes_in_flight(rank, world_size):
+    """Three async all-reduces: one left alone until its wait, one whose buffer is divided before the
+    wait (the race lab 12's check names), one divided after it; an isend whose buffer is refilled before
+    its wait too."""
+    with Recorder() as rec:
+        alone, early, late = torch.ones(3), torch.ones(3), torch.ones(3)
+        dist.all_reduce(alone, async_op=True).wait()
+        work = dist.all_reduce(early, async_op=True)
+        early /= world_size  # in flight
+        work.wait()
+        dist.all_reduce(late, async_op=True).wait()
+        late /= world_size  # done: no race
+        peer = (rank + 1) % world_size
+        buffer, arrived = torch.full((2,), float(rank)), torch.empty(2)
+        works = [dist.isend(buffer, peer), dist.irecv(arrived, (rank - 1) % world_size)]
+        buffer.fill_(-1.0)  # refilled while it may still be going out
+        for w in works:
+            w.wait()
+    return [call["changed_in_flight"] for call in rec.calls]
+
+
+def test_a_tensor_changed_while_its_request_is_in_flight_is_seen():
+    for flags in run_ranks(writes_in_flight, 2, timeout=60):
+        assert flags == [False, True, False, True, False], flags
