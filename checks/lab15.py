@@ -238,12 +238,6 @@ def returned_wrong(call: str, rank: int, world: int, per_host: int, got, returne
             f"{list(my_peers)} - did you keep the last group created, or index the groups with the wrong number?")
 
 
-# The groups make_groups returned for real, by (world, per_host): the training reuses them. Torch 2.11
-# names a group made with use_local_synchronization=True by its ranks alone (_process_group_name), so a
-# second group of the same ranks would meet the first one's keys in the store and hang; 2.14 adds a count.
-MADE_FOR_REAL: dict[tuple[int, int], tuple] = {}
-
-
 def check_groups_for_real(checks: Checks) -> bool:
     """make_groups called for real at the job's world size, for every number of ranks per host that
     divides it (every rank calls it, as the contract says): the groups it returns, by their ranks."""
@@ -251,7 +245,7 @@ def check_groups_for_real(checks: Checks) -> bool:
     for per_host in [n for n in range(1, world + 1) if world % n == 0]:
         call = f"make_groups({world}, {per_host}) (called for real: it cannot be rehearsed at other world sizes)"
         try:
-            returned = MADE_FOR_REAL[world, per_host] = lab.make_groups(world, per_host)
+            returned = lab.make_groups(world, per_host)
             got = [tuple(sorted(dist.get_process_group_ranks(g))) for g in returned]
         except NotImplementedError:
             raise
@@ -523,7 +517,7 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
 
 def check_training(checks: Checks, per_host: int, device: torch.device) -> None:
     world = dist.get_world_size()
-    groups = MADE_FOR_REAL.get((world, per_host)) or lab.make_groups(world, per_host)
+    groups = lab.make_groups(world, per_host)
     theirs = lab.train(device, None).cpu()
     ours = lab.train(device, groups).cpu()
     # Tolerance: the hook divides, then sums in another order than DDP: float32 rounding, about 1e-7
