@@ -271,9 +271,12 @@ class Recorder:
                 return result
             noted["work"] = result
             # each tensor's version counter once posted (the call's own write counts already): an
-            # in-place write by the learner's code before completion moves it
+            # in-place write by the learner's code before completion moves it. Only tensors with memory
+            # of their own: a view shares its base's counter, so a write to another part of the base
+            # (another bucket of one flat buffer, say: no race) would move it too.
             noted["versions"] = [(weakref.ref(t), _version(t)) for t in
-                                 {id(t): t for t in noted["tensors"] + [r() for r in noted["outputs"]] if t is not None}.values()]
+                                 {id(t): t for t in noted["tensors"] + [r() for r in noted["outputs"]]
+                                  if t is not None and t._base is None}.values()]
             return Recorded(result, [noted]) if result is not None else result
         call.__wrapped__ = original
         return call
