@@ -161,6 +161,8 @@ class Unit:
             setattr(layer, leaf, None)
         self.gathered = None        # the whole unit while the block's forward runs
         self.backward_copy = None   # the whole unit gathered again for backward
+        # saved_tensors_hooks(self.pack, self.unpack) while the block's forward runs: a `with` block cannot
+        # span two hooks, so before_forward enters the context by hand and after_forward leaves it
         self.saving = None
         module.register_forward_pre_hook(lambda m, args: self.before_forward())
         module.register_forward_hook(lambda m, args, out: self.after_forward())
@@ -173,7 +175,7 @@ class Unit:
 
     def before_forward(self) -> None:
         # (stuck? `make hint CH=16` prints hint 1 of 2; run it again for the next)
-        # TODO: gather the unit through GatherUnit, place it in the block, remember it in self.gathered, and enter saved-tensor hooks (self.pack, self.unpack) for the block's forward
+        # TODO: gather the unit through GatherUnit, place it in the block, remember it in self.gathered, and enter saved-tensor hooks (self.pack, self.unpack) by hand, kept in self.saving, for the block's forward (after_forward leaves them)
         raise NotImplementedError("the TODO above")
 
     def pack(self, tensor: torch.Tensor):
@@ -192,7 +194,7 @@ class Unit:
         """Autograd needs a saved tensor back, in backward: the unit is gathered again once per backward,
         however many of its tensors autograd asks back."""
         # (stuck? `make hint CH=16` prints hint 1 of 2; run it again for the next)
-        # TODO: a place in the unit -> that tensor, from the unit gathered again (once per backward, kept in self.backward_copy); anything else as it is
+        # TODO: a place in the unit -> that tensor, from the unit gathered again as plain values (the gradient already flows back through the forward's GatherUnit: this copy needs no autograd node of its own), once per backward, kept in self.backward_copy; anything else as it is
         raise NotImplementedError("the TODO above")
 
 

@@ -179,6 +179,8 @@ class Unit:
             setattr(layer, leaf, None)
         self.gathered = None        # the whole unit while the block's forward runs
         self.backward_copy = None   # the whole unit gathered again for backward
+        # saved_tensors_hooks(self.pack, self.unpack) while the block's forward runs: a `with` block cannot
+        # span two hooks, so before_forward enters the context by hand and after_forward leaves it
         self.saving = None
         module.register_forward_pre_hook(lambda m, args: self.before_forward())
         module.register_forward_hook(lambda m, args, out: self.after_forward())
@@ -192,7 +194,7 @@ class Unit:
     def before_forward(self) -> None:
         # HINT 1: GatherUnit.apply(self.shard, self) gathers the unit so that autograd connects it to the shard; self.place puts it in the block.
         # HINT 2: keep it in self.gathered (pack needs it), then open saved_tensors_hooks(self.pack, self.unpack) by hand: self.saving = ...; self.saving.__enter__()
-        # BEGIN SOLUTION: gather the unit through GatherUnit, place it in the block, remember it in self.gathered, and enter saved-tensor hooks (self.pack, self.unpack) for the block's forward
+        # BEGIN SOLUTION: gather the unit through GatherUnit, place it in the block, remember it in self.gathered, and enter saved-tensor hooks (self.pack, self.unpack) by hand, kept in self.saving, for the block's forward (after_forward leaves them)
         self.gathered = GatherUnit.apply(self.shard, self)
         self.place(self.gathered)
         self.saving = saved_tensors_hooks(self.pack, self.unpack)
@@ -224,7 +226,7 @@ class Unit:
         however many of its tensors autograd asks back."""
         # HINT 1: a tuple is a place in the unit: gather the unit again (once per backward: keep it in self.backward_copy) and return the tensor at that place.
         # HINT 2: if self.backward_copy is None: self.backward_copy = all_gather_flat(self.shard, self.dtype); return self.backward_copy.as_strided(size, stride, offset)
-        # BEGIN SOLUTION: a place in the unit -> that tensor, from the unit gathered again (once per backward, kept in self.backward_copy); anything else as it is
+        # BEGIN SOLUTION: a place in the unit -> that tensor, from the unit gathered again as plain values (the gradient already flows back through the forward's GatherUnit: this copy needs no autograd node of its own), once per backward, kept in self.backward_copy; anything else as it is
         if not isinstance(packed, tuple):
             return packed
         offset, size, stride = packed
