@@ -214,7 +214,8 @@ def check_noise_terms(checks: Checks, me: Rank) -> bool:
     if not settle(checks, wrong):
         return False
     print0("noise_terms: the mean gradient, |G|^2 and tr(Sigma) equal a direct float64 computation (float32 and "
-           "float64, 1-3 micro-batches per rank, two subgroups); one micro-batch alone refused with ValueError")
+           "float64, 1-3 micro-batches per rank" + (", two subgroups" if n > 1 else ": at 1 rank they stand in for ranks")
+           + "); one micro-batch alone refused with ValueError")
     return True
 
 
