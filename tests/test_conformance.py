@@ -1,12 +1,13 @@
 """Every mechanism the course builds by hand agrees with PyTorch's own, on generated cases.
 
 The solutions' ring all-reduce (lab 04), home-made DDPs (labs 04 and 12), sharded Adam (lab 13),
-sampler (06), synchronized BatchNorm (07), loss scaler (09), exact evaluation (10) and DiLoCo's outer
-step (17) are run on models and sizes the labs never use - world sizes 1 to 5, sizes that do not divide,
-frozen, tied and unused parameters, buffers, ranks that start from different weights, bucket caps from
-one element to everything, accumulation windows - and compared with DistributedDataParallel,
-torch.optim.Adam and AdamW, DistributedSampler, BatchNorm on the gathered batch, GradScaler, a
-one-process evaluation and torch.optim.SGD(nesterov=True). hypothesis draws the cases from a fixed seed
+sampler (06), synchronized BatchNorm (07), loss scaler (09), exact evaluation (10), DiLoCo's outer step
+(17) and gradient noise scale (18) are run on models and sizes the labs never use - world sizes 1 to 5,
+sizes that do not divide, frozen, tied and unused parameters, buffers, ranks that start from different
+weights, bucket caps from one element to everything, accumulation windows, subgroups - and compared with
+DistributedDataParallel, torch.optim.Adam and AdamW, DistributedSampler, BatchNorm on the gathered batch,
+GradScaler, a one-process evaluation, torch.optim.SGD(nesterov=True) and a direct float64 computation.
+hypothesis draws the cases from a fixed seed
 (derandomize) and a bounded number of examples, so the suite is fast and the same on every run.
 """
 
@@ -449,4 +450,56 @@ def test_lab17_diloco_outer_step_equals_sgd_nesterov(world_size, shapes, outer, 
     """Scalars (shape ()), vectors and matrices; local SGD is (1.0, 0.0): the average of the ranks."""
     results = run_ranks(diloco_vs_sgd, world_size, [tuple(s) for s in shapes], *outer, syncs, show_output=False,
                         timeout=60)
+    assert results == [None] * world_size, results
+
+
+# --- Lab 18: the gradient noise scale against a direct float64 computation --------------------------
+
+
+def noise_terms_vs_direct(rank: int, world_size: int, micros: int, micro_batch: int, features: int, dtype: str,
+                          subgroup: bool) -> str | None:
+    """Least squares, whose per-sample gradient (w.x - y) x the reference writes down directly: every rank's
+    micro-batch gradients through the solution's noise_terms, against the unbiased estimates computed in
+    float64 from every sample of the group in one place."""
+    lab = solution("18_batch_scaling")
+    members = list(range(world_size - 1)) if subgroup else list(range(world_size))
+    group = dist.new_group(members) if subgroup else None
+    if rank not in members:
+        return None
+    g = torch.Generator().manual_seed(world_size * 100 + micros * 10 + micro_batch)
+    w = torch.randn(features, generator=g, dtype=torch.float64)
+    x = torch.randn(len(members), micros, micro_batch, features, generator=g, dtype=torch.float64)
+    y = torch.randn(len(members), micros, micro_batch, generator=g, dtype=torch.float64)
+    per_sample = ((x @ w) - y).unsqueeze(-1) * x              # (ranks, micros, samples, features)
+    small = per_sample.mean(2)                                  # each micro-batch's gradient
+    b_small, b_big = micro_batch, micro_batch * micros * len(members)
+    small_sq = small.square().sum(-1).mean()
+    big = per_sample.reshape(-1, features).mean(0)
+    big_sq = big.square().sum()
+    want = (big, (b_big * big_sq - b_small * small_sq) / (b_big - b_small),
+            (small_sq - big_sq) / (1 / b_small - 1 / b_big))
+    mine = [m.to(getattr(torch, dtype)) for m in small[members.index(rank)]]
+    if micros * len(members) == 1:
+        try:
+            lab.noise_terms(mine, micro_batch, group)
+        except ValueError:
+            return None
+        return "one micro-batch in the group was not refused"
+    got = lab.noise_terms(mine, micro_batch, group)
+    tol = 1e-10 if dtype == "float64" else 2e-4  # float32 inputs: the estimates cancel about a digit
+    for name, a, b in zip(("mean", "g2", "trace"), got, want):
+        if a.dtype != getattr(torch, dtype) or not torch.allclose(a.double(), b, rtol=tol, atol=tol * b.abs().max().item()):
+            return f"{name}: {a} vs {b}"
+    return None
+
+
+@generated(examples=6)
+@given(world_size=st.integers(1, 5), micros=st.integers(1, 3), micro_batch=st.integers(1, 9),
+       features=st.integers(1, 12), dtype=st.sampled_from(["float32", "float64"]), subgroup=st.booleans())
+def test_lab18_noise_terms_equal_a_direct_float64_computation(world_size, micros, micro_batch, features, dtype,
+                                                               subgroup):
+    """1-5 ranks (a subgroup of all but the last), 1-3 micro-batches each; one micro-batch alone must be refused."""
+    subgroup = subgroup and world_size > 1
+    results = run_ranks(noise_terms_vs_direct, world_size, micros, micro_batch, features, dtype, subgroup,
+                        show_output=False, timeout=60)
     assert results == [None] * world_size, results
