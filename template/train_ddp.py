@@ -356,7 +356,8 @@ def save_atomic(obj, path: Path) -> None:
 def save_sharded(net: nn.Module, optimizer, train_state: dict, path: Path, is_main: bool) -> None:
     """--fsdp: a DCP checkpoint folder. Every rank writes its own shards of the model and optimizer
     (torch.distributed.checkpoint) into OUT/.checkpoint-<step>.tmp/; rank 0 adds train_state.pt and
-    renames the folder once every rank has written (dcp.save returns on rank 0 after that)."""
+    SHA256SUMS (write_checksums) and renames the folder once every rank has written (dcp.save
+    returns on every rank after that)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -368,22 +369,101 @@ def save_sharded(net: nn.Module, optimizer, train_state: dict, path: Path, is_ma
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
     if is_main:
         save_atomic(train_state, tmp / TRAIN_STATE)
+    write_checksums(tmp, is_main)
+    if is_main:
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
         _READABLE.add(path)
 
 
-def load_sharded(net: nn.Module, optimizer, path: Path) -> None:
+# In a DCP folder: every file's SHA-256, written at the save, checked before a load. A shard with
+# other bytes of the same length (a bad disk, a copy gone wrong) loads without a word, or fails deep
+# in DCP on every rank; the checksums find it first. By hand: `cd OUT/checkpoint-<step> && sha256sum -c SHA256SUMS`.
+CHECKSUMS = "SHA256SUMS"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checksums(folder: Path, is_main: bool) -> None:
+    """Every rank hashes its share of the folder's shard files (in parallel), rank 0 writes them all
+    to folder/SHA256SUMS with .metadata's and train_state.pt's (the format `sha256sum -c` reads)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    names = sorted(p.name for p in folder.glob("*.distcp"))
+    mine = {name: file_sha256(folder / name) for name in names[rank::world_size]}
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    if is_main:
+        sums = {name: digest for part in every for name, digest in part.items()}
+        for name in (".metadata", TRAIN_STATE):
+            sums[name] = file_sha256(folder / name)
+        with open(folder / CHECKSUMS, "w") as f:
+            f.writelines(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def checksum_problem(folder: Path) -> str | None:
+    """Why a DCP folder's files differ from the SHA256SUMS written at its save, or None (also for a
+    folder without one, from an earlier version of this script). Every rank checks its share of the
+    files, in parallel; every rank gets the same answer."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    problem = None
+    if (folder / CHECKSUMS).exists():
+        lines = (line.split(None, 1) for line in (folder / CHECKSUMS).read_text().splitlines())
+        sums = {name: digest for digest, name in lines}
+        for name in sorted(sums)[rank::world_size]:
+            if not (folder / name).is_file():
+                problem = f"{name} is missing"
+            elif file_sha256(folder / name) != sums[name]:
+                problem = f"{name}'s SHA-256 differs from the one written at the save (other bytes)"
+            if problem:
+                break
+    every = [None] * world_size
+    dist.all_gather_object(every, problem)
+    return next((p for p in every if p), None)
+
+
+def load_sharded(net: nn.Module, optimizer, path: Path) -> str | None:
     """Each rank reads its shards of a DCP checkpoint: at the same number of processes or another
-    (DCP reshards)."""
+    (DCP reshards). Returns None, or why it could not be read (the same on every rank: the files'
+    checksums, or an error of any rank's dcp.load), in one line; the model and optimizer are then
+    half-loaded, and the caller loads another checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(net, optimizer)  # (the optimizer's state made first)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    problem = checksum_problem(path)
+    if problem:
+        return problem
+    try:
+        model_state, optimizer_state = get_state_dict(net, optimizer)  # (the optimizer's state made first)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - CheckpointException is a BaseException
+        problem = one_line(error)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)  # (DCP raises on every rank when one fails; this makes sure)
+    return next((p for p in every if p), None)
+
+
+def one_line(error: BaseException) -> str:
+    """An error in one line: its type and last line; for DCP's CheckpointException (every failed
+    rank's traceback, hundreds of lines), the first failed rank's error."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"rank {rank}: {one_line(inner)}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 def dcp_metadata(path: Path):
@@ -427,16 +507,21 @@ def checkpoints(out: Path) -> list[Path]:
 
 def load_train_state(path: Path, device: torch.device) -> dict:
     """A checkpoint file, or a DCP folder's train_state.pt (its shards are loaded later, by every
-    rank: here only checked to be whole)."""
-    if path.is_dir():
-        if not (path / ".metadata").exists():
-            raise FileNotFoundError(f"{path / '.metadata'} is missing")
-        state = torch.load(path / TRAIN_STATE, map_location=device, weights_only=True)
-        problem = cut_shard(path)
-        if problem:
-            raise OSError(problem)
-        return state
-    return torch.load(path, map_location=device, weights_only=True)
+    rank: here only checked to be whole). torch.load does not check the zip archive's CRCs (other
+    bytes in a tensor load silently): checked here first."""
+    file = path / TRAIN_STATE if path.is_dir() else path
+    if path.is_dir() and not (path / ".metadata").exists():
+        raise FileNotFoundError(f"{path / '.metadata'} is missing")
+    if zipfile.is_zipfile(file):
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()  # reads every member, compares its CRC-32
+        if bad is not None:
+            raise OSError(f"{bad} in {file.name} has other bytes than were written (its CRC-32 differs)")
+    state = torch.load(file, map_location=device, weights_only=True)
+    problem = cut_shard(path) if path.is_dir() else None
+    if problem:
+        raise OSError(problem)
+    return state
 
 
 def saved_shapes(path: Path, state: dict) -> dict[str, tuple | None]:
@@ -449,12 +534,16 @@ def saved_shapes(path: Path, state: dict) -> dict[str, tuple | None]:
             for k, m in entries.items() if k.startswith("model.")}
 
 
-def newest_loadable_checkpoint(out: Path, device: torch.device) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads; one that does not (cut off by a full disk, say) is skipped
-    with a warning and the one before it is used. None when there is none at all; when there are
-    some but none loads, refuse (starting from step 0 would throw the run away silently)."""
+def newest_loadable_checkpoint(out: Path, device: torch.device, skip: set[Path] = frozenset()
+                               ) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads; one that does not (cut off by a full disk, say), or one in
+    `skip` (its shards failed to load), is skipped with a warning and the one before it is used.
+    None when there is none at all; when there are some but none loads, refuse (starting from step 0
+    would throw the run away silently)."""
     found = checkpoints(out)
     for path in found:
+        if path in skip:
+            continue
         try:
             return path, load_train_state(path, device)
         except Exception as error:  # noqa: BLE001 - any unreadable file: try the one before
@@ -471,6 +560,7 @@ class CheckpointError(Exception):
 
 
 _READABLE: set[Path] = set()  # checkpoints this process wrote, or found readable once
+_UNREADABLE: set[Path] = set()  # checkpoints whose shards failed to load (checksums, dcp.load)
 
 
 def readable(path: Path) -> bool:
@@ -480,6 +570,8 @@ def readable(path: Path) -> bool:
     long as .metadata says. Each is checked once."""
     if path in _READABLE:
         return True
+    if path in _UNREADABLE:
+        return False
     file = path / TRAIN_STATE if path.is_dir() else path
     try:
         with zipfile.ZipFile(file) as archive:
@@ -953,6 +1045,59 @@ def exit_now(code: int) -> None:
 # --- Training ----------------------------------------------------------------------------------------------
 
 
+def choose_checkpoint(out: Path, args: argparse.Namespace, device: torch.device, is_main: bool,
+                      skip: set[Path]) -> tuple[Path | None, dict | None]:
+    """(the checkpoint to resume from, its train state) on every rank, or (None, None) to start
+    afresh: OUT's newest that loads and is not in `skip`, or --resume while OUT has none. Rank 0
+    chooses and tells the others; a refusal (none can be read) stops every rank in one line."""
+    found, refused = None, None
+    if is_main:
+        try:
+            if args.resume and not checkpoints(out):
+                try:
+                    found = Path(args.resume), load_train_state(Path(args.resume), device)
+                except Exception as error:  # noqa: BLE001 - said in one line, on every rank
+                    refused = f"--resume {args.resume} cannot be read ({one_line(error)})"
+            else:
+                if args.resume and not skip:
+                    log.info("--resume %s not used: %s has checkpoints of its own, and goes on from its newest",
+                             args.resume, out)
+                found = newest_loadable_checkpoint(out, device, skip)
+        except CheckpointError as error:
+            refused = str(error)
+    chosen = [str(found[0]) if found else None, refused]
+    dist.broadcast_object_list(chosen)
+    if chosen[1]:
+        raise SystemExit(chosen[1])  # on every rank: none waits for the others
+    if chosen[0] is None:
+        return None, None
+    ckpt = Path(chosen[0])
+    # (FileNotFoundError on another machine: --out is not a folder that every machine sees)
+    return ckpt, found[1] if is_main else load_train_state(ckpt, device)
+
+
+def build_network(args: argparse.Namespace, device: torch.device, amp_dtype) -> tuple[nn.Module, nn.Module]:
+    """(model, net): the network to train (DDP-wrapped, or sharded in place with --fsdp) and the bare
+    network inside it, with --pretrained's weights, --sync-bn (nccl only) and --compile."""
+    if args.sync_bn and device.type != "cuda":
+        log.warning("--sync-bn needs nccl: on the CPU each rank keeps its own BatchNorm statistics")
+    sync_bn = args.sync_bn and device.type == "cuda"
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")  # (cuDNN's convolutions use TF32 by default already)
+    if args.fsdp:  # built on the meta device, sharded, then filled from rank 0 (in place: model is net)
+        net = build_sharded_model(device, amp_dtype, args.pretrained, sync_bn, args.compile)
+        return net, net
+    net = build_model()
+    if args.pretrained:
+        load_pretrained(net, args.pretrained)
+    if sync_bn:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    net.to(device)
+    if args.compile:
+        net.compile()  # nn.Module.compile: in place, so state_dict keys stay as they are
+    return DDP(net, device_ids=[device.index] if device.type == "cuda" else None), net
+
+
 @record  # an exception's traceback goes to torchrun's summary of the failed ranks
 def main() -> None:
     try:
@@ -1015,85 +1160,61 @@ def train() -> None:
     global_batch = world_size * per_step
 
     # Resume from the newest checkpoint that loads (or from --resume while OUT has none). Rank 0
-    # chooses and tells the others, so that all ranks resume from the same one.
-    found, refused = None, None
+    # chooses and tells the others, so that all ranks resume from the same one. A DCP checkpoint whose
+    # shards then do not load (checksums, or dcp.load failing on any rank) is set aside by every
+    # rank at once, and they go on together from the one before it.
     if is_main:
         for stale in out.glob(".*.tmp"):  # a save cut off before its rename (the one it replaced is whole)
             remove(stale)
         (out / STOPPED_MARKER).unlink(missing_ok=True)
-        try:
-            if args.resume and not checkpoints(out):
-                try:
-                    found = Path(args.resume), load_train_state(Path(args.resume), device)
-                except Exception as error:  # noqa: BLE001 - said in one line, on every rank
-                    refused = (f"--resume {args.resume} cannot be read ({type(error).__name__}: "
-                               f"{str(error).splitlines()[0][:200] if str(error) else ''})")
-            else:
-                if args.resume:
-                    log.info("--resume %s not used: %s has checkpoints of its own, and goes on from its newest",
-                             args.resume, out)
-                found = newest_loadable_checkpoint(out, device)
-        except CheckpointError as error:
-            refused = str(error)
-    chosen = [str(found[0]) if found else None, refused]
-    dist.broadcast_object_list(chosen)
-    if chosen[1]:
-        raise SystemExit(chosen[1])  # on every rank: none waits for the others
-    ckpt, state, saved = None, None, {}
-    if chosen[0] is not None:
-        ckpt = Path(chosen[0])
-        # (FileNotFoundError on another machine: --out is not a folder that every machine sees)
-        state = found[1] if is_main else load_train_state(ckpt, device)
-        saved = state.get("settings", {})
+    skipped: set[Path] = set()
+    model = net = None
+    while True:
+        ckpt, state = choose_checkpoint(out, args, device, is_main, skipped)
+        saved = state.get("settings", {}) if state is not None else {}
 
-    # Where the run is: optimizer steps done, the epoch, and how many of this epoch's samples the
-    # ranks took together (which goes on at any number of processes: ResumableSampler, RankStream).
-    step, epoch, consumed, best = 0, 0, 0, None
-    if state is not None:
-        step, best = state["step"], state.get("best")
-        if "epoch" in state:
-            epoch, consumed = state["epoch"], state["consumed"]
-        else:  # (a checkpoint of an earlier version of this script)
-            epoch, done = divmod(step, steps_per_epoch)
-            consumed = done * saved.get("global_batch", global_batch)
-    total_steps = step
-    if epoch < args.epochs:  # the rest of this epoch, then whole epochs
-        total_steps += (per_rank - consumed // world_size) // per_step + steps_per_epoch * (args.epochs - epoch - 1)
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
-    resized = state is not None and saved.get("world_size", world_size) != world_size
-    if state is not None:
-        problems = resume_problems(saved, args, world_size, None if resized else total_steps)
-        if problems:
-            raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
-                             f"the old ones, or start afresh with a new --out")
-
-    if state is not None:  # a checkpoint of another model: said in one line, before anything changes
-        with torch.device("meta"):  # (shapes only)
-            problem = model_mismatch(shapes_of(build_model().state_dict()), saved_shapes(ckpt, state))
-        if problem:
-            raise SystemExit(f"{ckpt} holds another model's weights: {problem}. Resume with the model it was "
-                             f"written with, or start afresh with a new --out (nothing was changed)")
-    if args.sync_bn and device.type != "cuda":
-        log.warning("--sync-bn needs nccl: on the CPU each rank keeps its own BatchNorm statistics")
-    sync_bn = args.sync_bn and device.type == "cuda"
-    if args.tf32:
-        torch.set_float32_matmul_precision("high")  # (cuDNN's convolutions use TF32 by default already)
-    if args.fsdp:  # built on the meta device, sharded, then filled from rank 0 (in place: model is net)
-        model = net = build_sharded_model(device, amp_dtype, args.pretrained, sync_bn, args.compile)
-    else:
-        net = build_model()
-        if args.pretrained:
-            load_pretrained(net, args.pretrained)
-        if sync_bn:
-            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-        net.to(device)
-        if args.compile:
-            net.compile()  # nn.Module.compile: in place, so state_dict keys stay as they are
-        model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+        # Where the run is: optimizer steps done, the epoch, and how many of this epoch's samples the
+        # ranks took together (which goes on at any number of processes: ResumableSampler, RankStream).
+        step, epoch, consumed, best = 0, 0, 0, None
+        if state is not None:
+            step, best = state["step"], state.get("best")
+            if "epoch" in state:
+                epoch, consumed = state["epoch"], state["consumed"]
+            else:  # (a checkpoint of an earlier version of this script)
+                epoch, done = divmod(step, steps_per_epoch)
+                consumed = done * saved.get("global_batch", global_batch)
+        total_steps = step
+        if epoch < args.epochs:  # the rest of this epoch, then whole epochs
+            total_steps += (per_rank - consumed // world_size) // per_step + steps_per_epoch * (args.epochs - epoch - 1)
+        if args.max_steps is not None:
+            total_steps = min(total_steps, args.max_steps)
+        resized = state is not None and saved.get("world_size", world_size) != world_size
+        if state is not None:
+            problems = resume_problems(saved, args, world_size, None if resized else total_steps)
+            if problems:
+                raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
+                                 f"the old ones, or start afresh with a new --out")
+            with torch.device("meta"):  # another model's checkpoint: said in one line, before anything changes
+                problem = model_mismatch(shapes_of(build_model().state_dict()), saved_shapes(ckpt, state))
+            if problem:
+                raise SystemExit(f"{ckpt} holds another model's weights: {problem}. Resume with the model it "
+                                 f"was written with, or start afresh with a new --out (nothing was changed)")
+        if model is None:
+            model, net = build_network(args, device, amp_dtype)
+        optimizer, scheduler = build_optimizer(model, args, total_steps)
+        if state is None or not args.fsdp:
+            break
+        problem = load_sharded(net, optimizer, ckpt)  # every rank its shards (resharded at another world size)
+        if problem is None:
+            break
+        if args.resume and ckpt == Path(args.resume):
+            raise SystemExit(f"--resume {ckpt} could not be loaded ({problem})")
+        if is_main:
+            log.warning("%s cannot be read (%s): every rank goes on from the checkpoint before it", ckpt, problem)
+        skipped.add(ckpt)
+        _UNREADABLE.add(ckpt)  # (and the retention does not count it among those kept)
     if args.pretrained:
         log.info("initial weights from %s", args.pretrained)
-    optimizer, scheduler = build_optimizer(model, args, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
 
     best_path = out / "best.pt"
@@ -1101,15 +1222,7 @@ def train() -> None:
                 "global_batch": global_batch, "world_size": world_size, "batch_size": args.batch_size,
                 "accum": args.accum}
     if state is not None:
-        if args.fsdp:
-            try:  # every rank its shards (resharded at another world size)
-                load_sharded(net, optimizer, ckpt)
-            except Exception as error:  # noqa: BLE001 - DCP raises on every rank when any rank failed
-                raise SystemExit(f"{ckpt} could not be loaded ({type(error).__name__}: "
-                                 f"{str(error).strip().splitlines()[-1][:300] if str(error).strip() else ''}); "
-                                 f"set it aside (e.g. rename it {ckpt.name}-bad) and run again to resume from "
-                                 f"the one before") from None
-        else:
+        if not args.fsdp:  # (--fsdp: loaded above)
             net.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
