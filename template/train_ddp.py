@@ -36,7 +36,8 @@ STARTED = time.monotonic()  # this process's start: how much of a Slurm attempt 
 # A stop signal only sets this flag; training acts on it at the next step. Installed before anything
 # else: a signal during the seconds of `import torch` must not kill the process either.
 #   SIGTERM  Slurm's warning, torchrun passing its own SIGTERM or SIGINT on, `kill`
-#   SIGINT   Ctrl-C (the terminal sends it to torchrun and to every process it started)
+#   SIGINT   Ctrl-C (the terminal sends it to torchrun, which passes it on: its processes run in
+#            sessions of their own; without torchrun, to this process and its loader workers)
 #   SIGUSR1  the sbatch's "time limit near": save, stop, and the job requeues itself
 #   SIGUSR2  the sbatch's "save and stop" (`scancel --signal=USR2 JOB`, with or without --batch)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
@@ -975,8 +976,8 @@ TRAINER_PID = os.getpid()  # (set again in main(); forked DataLoader workers inh
 
 
 def worker_init(worker_id: int) -> None:
-    """First thing in every DataLoader worker. Slurm, torchrun and a terminal's Ctrl-C signal every
-    process, and a worker killed by a signal makes the training process raise before it can save;
+    """First thing in every DataLoader worker. Slurm and a terminal's Ctrl-C (without torchrun) signal
+    every process, and a worker killed by a signal makes the training process raise before it can save;
     so workers ignore the stop signals. They are forked with these blocked (start_workers): one that
     arrived since is still pending, and SIG_IGN discards it before the unblock. And a worker dies
     with its training process (Linux: PR_SET_PDEATHSIG), even one killed with SIGKILL, instead of
@@ -1297,12 +1298,15 @@ def train() -> None:
     def epochs_done() -> float:
         return epoch + consumed / (steps_per_epoch * global_batch)
 
+    validated = {}  # the last validation's step and result: the final one reuses it (no second pass)
+
     def validate_and_keep_best(stop_work):
         """Evaluate, log, and keep best.pt; returns None for the stop vote it waited for."""
         nonlocal best
         if stop_work is not None:
             stop_work.wait()  # (a vote still in flight would meet evaluate's all-reduce; the next step votes again)
         val = evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
+        validated.update(step=step, result=val)
         log.info("step %d (epoch %.2f): validation %s", step, epochs_done(),
                  ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
         if is_main:
@@ -1360,6 +1364,7 @@ def train() -> None:
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
             if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
                 grad_norm = grad_norm.full_tensor()
+            lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler sets the next step's below)
             scaler.step(optimizer)  # skipped if fp16 gradients overflowed
             scaler.update()
             if not isinstance(scheduler, PLATEAU):  # (a plateau steps after each validation)
@@ -1368,6 +1373,24 @@ def train() -> None:
             step += 1
             consumed += global_batch
             bar.update()
+            window["steps"] += 1
+            if step % args.log_every == 0:  # (no .item() between these points: the CPU runs ahead of the GPU)
+                loss_total = window["loss"].float()
+                dist.all_reduce(loss_total)
+                seconds = time.monotonic() - window["since"]
+                record = {"step": step, "epoch": round(epochs_done(), 4),
+                          "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
+                          "grad_norm": grad_norm.item(), "lr": lr,
+                          "step_time_s": seconds / window["steps"],
+                          "samples_per_s": window["steps"] * global_batch / seconds}
+                eta = round((total_steps - step) * record["step_time_s"])
+                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  "
+                         "ETA %d:%02d:%02d", step, total_steps, record["loss"], record["grad_norm"], record["lr"],
+                         record["samples_per_s"], record["step_time_s"], eta // 3600, eta // 60 % 60, eta % 60)
+                if is_main:
+                    write_metrics(metrics, record, board)
+                window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
+            # The stop vote, after this step's row (a stop loses no row of metrics.jsonl or TensorBoard).
             if stop_work is not None:
                 stop_work.wait()
                 vote = int(stop_votes.item())
@@ -1388,23 +1411,6 @@ def train() -> None:
                     break
             stop_votes = torch.tensor([float(STOP_REQUESTED)], device=device)
             stop_work = dist.all_reduce(stop_votes, op=dist.ReduceOp.MAX, async_op=True)
-            window["steps"] += 1
-            if step % args.log_every == 0:  # (no .item() between these points: the CPU runs ahead of the GPU)
-                loss_total = window["loss"].float()
-                dist.all_reduce(loss_total)
-                seconds = time.monotonic() - window["since"]
-                record = {"step": step, "epoch": round(epochs_done(), 4),
-                          "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
-                          "grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
-                          "step_time_s": seconds / window["steps"],
-                          "samples_per_s": window["steps"] * global_batch / seconds}
-                eta = round((total_steps - step) * record["step_time_s"])
-                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  "
-                         "ETA %d:%02d:%02d", step, total_steps, record["loss"], record["grad_norm"], record["lr"],
-                         record["samples_per_s"], record["step_time_s"], eta // 3600, eta // 60 % 60, eta % 60)
-                if is_main:
-                    write_metrics(metrics, record, board)
-                window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
             last_of_pass = i == steps_now - 1  # (the epoch's or the run's end: validated and saved below)
             if args.eval_every and step % args.eval_every == 0 and not last_of_pass:
                 stop_work = validate_and_keep_best(stop_work)
@@ -1422,7 +1428,8 @@ def train() -> None:
         board.close()
 
     if not stopped:
-        val = evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
+        val = validated["result"] if validated.get("step") == step else \
+            evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
         weights = full_state_dict(net, args.fsdp)
         if is_main:
             digest = weights_sha256(weights)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_template import SCRIPT, template_module, train
+from test_template import SCRIPT, adapted_template, saved_by, sigterm_trial, template_module, train
 
 pytestmark = pytest.mark.slow(1)  # forked template runs of a few steps each
 
@@ -70,3 +70,50 @@ def test_a_ddp_checkpoint_with_other_bytes_is_skipped(tmp_path):
     overwrite(newest, newest.stat().st_size // 2, os.urandom(4096))
     path, state = t.newest_loadable_checkpoint(tmp_path, torch.device("cpu"))
     assert path.name == "checkpoint-0000010.pt" and state["step"] == 10
+
+
+COUNTED_EVALUATION = {  # the template's metric_sums, saying each time it is called (once per validation batch)
+    "metric_sums": '''
+def metric_sums(outputs, targets):
+    print("metric_sums called", flush=True)
+    return {"loss": loss_fn(outputs.float(), targets, reduction="sum"),
+            "accuracy": (outputs.argmax(1) == targets).sum(), "count": torch.tensor(targets.numel())}
+''',
+}
+
+
+def test_a_stop_keeps_its_steps_row_the_lr_is_the_steps_own_and_the_end_validates_once(tmp_path):
+    """REVIEW E, bug 2 and two smaller ones. A SIGTERM's save keeps the row of the step it saved at
+    (metrics.jsonl and TensorBoard: one row per step, before and after the resume); each row's lr is
+    the one its step used (OneCycleLR's first is max_lr / 25); the run's end validates once (its
+    last validation is the final result): 360 images in batches of 128 are 3 calls of metric_sums."""
+    script = adapted_template(tmp_path, COUNTED_EVALUATION)
+    args = ["--epochs", "1", "--batch-size", "128", "--workers", "0", "--log-every", "1", "--checkpoint-every", "1000"]
+    out = tmp_path / "run"
+    status, log, _ = sigterm_trial(out, "step 3/", 0.0, script=script, args=[*args, "--step-delay", "0.3"])
+    assert status == 0 and saved_by("SIGTERM", log), log[-3000:]
+    stopped_at = torch.load(next(out.glob("checkpoint-*.pt")), weights_only=True)["step"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, stopped_at + 1)), (stopped_at, rows)
+
+    result, log = train(out, 1, *args[2:], script=script, common=args[:2])
+    assert f"at step {stopped_at} " in log and result["step"] == 11, log[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 12)), rows
+    assert [r["step"] for r in rows if "validation" in r] == [11], rows
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=11)
+    rates = []
+    for _ in range(11):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert [r["lr"] for r in rows if "loss" in r] == rates and rates[0] == pytest.approx(0.1 / 25), rows
+    assert log.count("metric_sums called") == 3, log[-3000:]
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:  # (optional for the template)
+        return
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert sorted({e.step for e in events.Scalars("train/loss")}) == list(range(1, 12))
