@@ -403,7 +403,8 @@ def write_checksums(folder: Path, is_main: bool) -> None:
     if is_main:
         sums = {name: digest for part in every for name, digest in part.items()}
         for name in (".metadata", TRAIN_STATE):
-            sums[name] = file_sha256(folder / name)
+            if (folder / name).exists():
+                sums[name] = file_sha256(folder / name)
         with open(folder / CHECKSUMS, "w") as f:
             f.writelines(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
             f.flush()
@@ -791,7 +792,8 @@ def build_sharded_model(device: torch.device, param_dtype: torch.dtype | None, p
 
 def full_state_dict(net: nn.Module, fsdp: bool) -> dict:
     """The whole model's state_dict on rank 0, on the CPU (with --fsdp every rank must call this:
-    the shards are gathered; the other ranks get {})."""
+    the shards are gathered, and rank 0 holds the whole model; the other ranks get {}). The script
+    itself saves weights without it (save_weights)."""
     if not fsdp:
         return net.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -799,12 +801,53 @@ def full_state_dict(net: nn.Module, fsdp: bool) -> dict:
     return get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def model_weights(net: nn.Module, fsdp: bool) -> dict:
+    """The model's state_dict as it is: with --fsdp each parameter a DTensor (this rank's shard of it)."""
+    if not fsdp:
+        return net.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(net)
+
+
+def save_weights(weights: dict, path: Path, fsdp: bool, is_main: bool, extra: dict | None = None) -> Path:
+    """Weights for use outside training (best, final): the state_dict, or {"model": it, **extra}.
+    DDP: the file `path` (OUT/final.pt), from rank 0. --fsdp: the folder OUT/final/ (DCP), each rank
+    writing its own shards, so that no rank holds the whole model; one process makes it the same
+    file as DDP's (torch.distributed.checkpoint.format_utils.dcp_to_torch_save):
+        python -m torch.distributed.checkpoint.format_utils dcp_to_torch OUT/final OUT/final.pt
+    Written under a temporary name and renamed. Returns the file or folder."""
+    state = {"model": weights, **extra} if extra else weights
+    if not fsdp:
+        if is_main:
+            save_atomic(state, path)
+        return path
+    import torch.distributed.checkpoint as dcp
+
+    folder = path.with_suffix("")
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    write_checksums(tmp, is_main)
+    if is_main:
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    return folder
+
+
 def weights_sha256(state: dict) -> str:
-    """A fingerprint of every parameter and buffer: equal fingerprints, bit-identical weights."""
+    """A fingerprint of every parameter and buffer: equal fingerprints, bit-identical weights. A
+    sharded state_dict (--fsdp: DTensors) too, on every rank at once: each tensor is gathered in
+    turn and freed, so no rank holds more than one whole tensor; the digest is the whole model's."""
     h = hashlib.sha256()
     for name, t in sorted(state.items()):
+        if hasattr(t, "full_tensor"):  # (a collective: every rank, in the same order)
+            t = t.full_tensor()
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -1316,9 +1359,8 @@ def train() -> None:
             scheduler.step(value)
         if best is None or (value > best if HIGHER_IS_BETTER else value < best):
             best = value
-            weights = full_state_dict(net, args.fsdp)  # (with --fsdp, every rank takes part)
-            if is_main:
-                save_atomic({"model": weights, "step": step, BEST_METRIC: best}, best_path)
+            save_weights(model_weights(net, args.fsdp), best_path, args.fsdp, is_main,  # (--fsdp: every rank its shards)
+                         extra={"step": step, BEST_METRIC: best})
         return None
 
     metrics = out / "metrics.jsonl"  # rank 0 appends a line per log step and per validation
@@ -1430,12 +1472,14 @@ def train() -> None:
     if not stopped:
         val = validated["result"] if validated.get("step") == step else \
             evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
-        weights = full_state_dict(net, args.fsdp)
+        weights = model_weights(net, args.fsdp)
+        digest = weights_sha256(weights)  # (--fsdp: every rank takes part, one tensor at a time)
+        final = save_weights(weights, out / "final.pt", args.fsdp, is_main)
         if is_main:
-            digest = weights_sha256(weights)
-            log.info("final: validation %s, weights sha256 %s",
-                     ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"), digest[:16])
-            save_atomic(weights, out / "final.pt")
+            log.info("final: validation %s, weights sha256 %s, in %s%s",
+                     ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"), digest[:16], final,
+                     f" (one file: python -m torch.distributed.checkpoint.format_utils dcp_to_torch {final} "
+                     f"{final}.pt)" if args.fsdp else "")
             result = {**val, "step": step, "world_size": world_size, "weights_sha256": digest}
             (out / "result.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()

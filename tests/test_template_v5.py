@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ringside import run_ranks
 from test_template import SCRIPT, adapted_template, saved_by, sigterm_trial, template_module, train
 
 pytestmark = pytest.mark.slow(1)  # forked template runs of a few steps each
@@ -58,6 +59,7 @@ def test_corrupt_shards_are_found_and_every_rank_falls_back_together(tmp_path):
     assert "resumed from" in log and "at step 2 " in log, log[-3000:]
     assert resumed["weights_sha256"] == plain["weights_sha256"], "not bit for bit after falling back"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{s:07d}" for s in (2, 4, 6)]
+    assert (out / "final" / "SHA256SUMS").exists() and (out / "best" / ".metadata").exists()  # (DCP folders)
 
 
 def test_a_ddp_checkpoint_with_other_bytes_is_skipped(tmp_path):
@@ -117,3 +119,82 @@ def test_a_stop_keeps_its_steps_row_the_lr_is_the_steps_own_and_the_end_validate
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert sorted({e.step for e in events.Scalars("train/loss")}) == list(range(1, 12))
+
+
+def megabytes(key: str) -> float:
+    """This process's VmRSS or VmHWM (its peak since clear_refs), in MiB."""
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key)) / 1024
+
+
+def reset_peak() -> float:
+    """Start VmHWM again from now (Linux); returns VmRSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return megabytes("VmRSS:")
+
+
+def sharded_template(layers: int):
+    """The template as a module, with a model of `layers` Linear(1024, 1024) (4 MiB each), each a
+    block that --fsdp shards; and glibc's malloc returning every tensor of 1 MiB or more to the
+    system when freed (mallopt M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_=1048576 does), so that
+    VmHWM shows the tensors alive at once."""
+    import ctypes
+    import importlib.util
+
+    ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build_model = lambda: torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)])
+    module.fsdp_blocks = lambda model: list(model)
+    return module
+
+
+def test_fsdp_saves_weights_sharded_and_one_process_reads_them(tmp_path):
+    """Item 3: with --fsdp, final and best are DCP folders that each rank writes its shards of; rank 0
+    does not grow by the model's size (gathering the whole state_dict to it, as before, does: the
+    measurement sees that too); the weights' SHA-256 is the whole model's, gathered one tensor at a
+    time; one process turns each folder into a file (dcp_to_torch_save) that loads into
+    build_model(), and best's into --pretrained."""
+    layers = 8
+    model_mb = layers * (1024 * 1024 + 1024) * 4 / 2**20
+
+    def save(rank, world_size, out):
+        import torch.distributed as dist
+
+        module = sharded_template(layers)
+        torch.manual_seed(0)
+        net = module.build_sharded_model(torch.device("cpu"), None, None, False, False)
+        dist.barrier()
+        before = reset_peak()
+        weights = module.model_weights(net, True)
+        digest = module.weights_sha256(weights)
+        module.save_weights(weights, out / "final.pt", True, rank == 0)
+        module.save_weights(weights, out / "best.pt", True, rank == 0, extra={"step": 3, "loss": 1.5})
+        sharded = megabytes("VmHWM:") - before
+        dist.barrier()
+        before = reset_peak()
+        whole = module.full_state_dict(net, True)
+        gathered = megabytes("VmHWM:") - before
+        return sharded, gathered, digest, module.weights_sha256(whole) if rank == 0 else None
+
+    (sharded, gathered, digest, whole_digest), *others = run_ranks(save, 2, tmp_path, show_output=False, timeout=120)
+    print(f"[rank 0 grew by {sharded:.0f} MiB saving sharded, {gathered:.0f} MiB gathering; the model is "
+          f"{model_mb:.0f} MiB]")
+    assert gathered > 0.9 * model_mb, (gathered, model_mb)  # (what the measurement sees of a whole model)
+    assert sharded < 0.75 * model_mb, (sharded, model_mb)  # its half, and one whole tensor at a time
+    assert digest == whole_digest == others[0][2]
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    t = sharded_template(layers)
+    dcp_to_torch_save(tmp_path / "final", tmp_path / "final.pt")
+    model = t.build_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    assert t.weights_sha256(model.state_dict()) == digest
+    torch.manual_seed(0)
+    assert t.weights_sha256(t.build_model().state_dict()) == digest  # (untrained: build_model()'s weights)
+    dcp_to_torch_save(tmp_path / "best", tmp_path / "best.pt")
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert best["step"] == 3 and best["loss"] == 1.5
+    t.load_pretrained(model, str(tmp_path / "best.pt"))
