@@ -672,6 +672,21 @@ def to_device(x, device: torch.device):
     return x
 
 
+def peak_memory_mib(device: torch.device) -> float | None:
+    """The most memory this process has held so far, in MiB: on a GPU the tensors' peak
+    (torch.cuda.max_memory_allocated), on the CPU the peak resident set (getrusage), which counts
+    everything the process touched. On the CPU, glibc keeps freed memory in the process unless
+    MALLOC_MMAP_THRESHOLD_ is set (e.g. =1048576): without it FSDP's freed gathers stay counted."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+    except ImportError:  # (Windows)
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**20 if sys.platform == "darwin" else 1024)
+
+
 def write_metrics(path: Path, record: dict, board=None) -> None:
     """One JSON line per record (read back with pandas.read_json(path, lines=True)); to TensorBoard
     too when `board` is a SummaryWriter."""
@@ -680,7 +695,7 @@ def write_metrics(path: Path, record: dict, board=None) -> None:
     if board is not None:
         group = "validation" if "validation" in record else "train"
         for name, value in record.get("validation", record).items():
-            if name not in ("step", "epoch", "count"):
+            if name not in ("step", "epoch", "count") and value is not None:
                 board.add_scalar(f"{group}/{name}", value, record["step"])
         board.flush()
 
@@ -731,6 +746,26 @@ def settle_bucket_order(model: DDP, batch) -> None:
     model.train()
 
 
+def checkpoint_activations(net: nn.Module) -> None:
+    """--activation-checkpointing: each of fsdp_blocks(net) keeps only its input for the backward
+    and runs its forward again there (torch.utils.checkpoint, use_reentrant=False), so that one
+    block's activations at a time are alive in the backward, not every block's: less memory for
+    about one more forward of compute. The recomputation draws the same random numbers (dropout)
+    as the forward did, so the results are bit for bit those without it. Before DDP or fully_shard
+    (which, in the backward, gathers a block's parameters before its recomputation needs them).
+    BatchNorm refused: recomputed, it would update its running statistics a second time."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for block in fsdp_blocks(net):
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in block.modules()):
+            raise SystemExit(f"--activation-checkpointing: a block of fsdp_blocks(model) ({type(block).__name__}) "
+                             f"has BatchNorm, whose running statistics the recomputation would update twice; "
+                             f"use it with blocks without BatchNorm (a transformer's layers)")
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
 def shard_model(net: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     """--fsdp: FSDP2 (fully_shard) on each of fsdp_blocks(net), then on the whole model. Parameters
     in `param_dtype` for the forward and backward (bf16 with --amp), gradients reduced in float32."""
@@ -745,7 +780,7 @@ def shard_model(net: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
 
 
 def build_sharded_model(device: torch.device, param_dtype: torch.dtype | None, pretrained: str | None,
-                        sync_bn: bool, compile: bool) -> nn.Module:
+                        sync_bn: bool, compile: bool, activation_checkpointing: bool = False) -> nn.Module:
     """--fsdp: a model whose weights need not fit one device. Every process builds it on the meta
     device (shapes, no memory), shards it and allocates only its own shards (`to_empty`). Rank 0
     alone builds it for real, on the CPU (the larger memory), with --pretrained's weights, and sends
@@ -772,6 +807,8 @@ def build_sharded_model(device: torch.device, param_dtype: torch.dtype | None, p
         net = build_model()
     if sync_bn:
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    if activation_checkpointing:
+        checkpoint_activations(net)
     if compile:
         net.compile()
     shard_model(net, param_dtype)
@@ -925,6 +962,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 instead of DDP: parameters, gradients and optimizer state sharded over the "
                         "processes (fully_shard per fsdp_blocks), sharded DCP checkpoints")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations (fsdp_blocks) in the backward instead of keeping "
+                        "them: less memory, about one more forward of compute; bit for bit the same results "
+                        "(not for blocks with BatchNorm)")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
                    help="auto: bf16 on GPUs that run it natively (Ampere+), else fp16 + GradScaler (with --fsdp: "
                         "off); off on the CPU")
@@ -1129,7 +1170,8 @@ def build_network(args: argparse.Namespace, device: torch.device, amp_dtype) -> 
     if args.tf32:
         torch.set_float32_matmul_precision("high")  # (cuDNN's convolutions use TF32 by default already)
     if args.fsdp:  # built on the meta device, sharded, then filled from rank 0 (in place: model is net)
-        net = build_sharded_model(device, amp_dtype, args.pretrained, sync_bn, args.compile)
+        net = build_sharded_model(device, amp_dtype, args.pretrained, sync_bn, args.compile,
+                                  args.activation_checkpointing)
         return net, net
     net = build_model()
     if args.pretrained:
@@ -1137,6 +1179,8 @@ def build_network(args: argparse.Namespace, device: torch.device, amp_dtype) -> 
     if sync_bn:
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     net.to(device)
+    if args.activation_checkpointing:
+        checkpoint_activations(net)
     if args.compile:
         net.compile()  # nn.Module.compile: in place, so state_dict keys stay as they are
     return DDP(net, device_ids=[device.index] if device.type == "cuda" else None), net
@@ -1244,6 +1288,7 @@ def train() -> None:
                 raise SystemExit(f"{ckpt} holds another model's weights: {problem}. Resume with the model it "
                                  f"was written with, or start afresh with a new --out (nothing was changed)")
         if model is None:
+            startup_mib = peak_memory_mib(device)  # (before the model: what the rest adds is the training's)
             model, net = build_network(args, device, amp_dtype)
         optimizer, scheduler = build_optimizer(model, args, total_steps)
         if state is None or not args.fsdp:
@@ -1424,7 +1469,8 @@ def train() -> None:
                           "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
                           "grad_norm": grad_norm.item(), "lr": lr,
                           "step_time_s": seconds / window["steps"],
-                          "samples_per_s": window["steps"] * global_batch / seconds}
+                          "samples_per_s": window["steps"] * global_batch / seconds,
+                          "peak_memory_mib": peak_memory_mib(device)}  # (rank 0's, so far)
                 eta = round((total_steps - step) * record["step_time_s"])
                 log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  "
                          "ETA %d:%02d:%02d", step, total_steps, record["loss"], record["grad_norm"], record["lr"],
@@ -1475,12 +1521,21 @@ def train() -> None:
         weights = model_weights(net, args.fsdp)
         digest = weights_sha256(weights)  # (--fsdp: every rank takes part, one tensor at a time)
         final = save_weights(weights, out / "final.pt", args.fsdp, is_main)
+        memory = [None] * world_size  # each rank's peak, and how much of it came after the start-up
+        dist.all_gather_object(memory, (peak_memory_mib(device), startup_mib))
+        memory = {"peak": [m[0] for m in memory], "startup": [m[1] for m in memory]}
+        if is_main and None not in memory["peak"]:
+            log.info("peak memory per rank: %s MiB (%s after the start-up; %s)",
+                     ", ".join(f"{m:.0f}" for m in memory["peak"]),
+                     ", ".join(f"+{m - b:.0f}" for m, b in zip(memory["peak"], memory["startup"])),
+                     "GPU tensors" if device.type == "cuda" else "resident set")
         if is_main:
             log.info("final: validation %s, weights sha256 %s, in %s%s",
                      ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"), digest[:16], final,
                      f" (one file: python -m torch.distributed.checkpoint.format_utils dcp_to_torch {final} "
                      f"{final}.pt)" if args.fsdp else "")
-            result = {**val, "step": step, "world_size": world_size, "weights_sha256": digest}
+            result = {**val, "step": step, "world_size": world_size, "weights_sha256": digest,
+                      "memory_mib": memory}
             (out / "result.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
     exit_now(0)

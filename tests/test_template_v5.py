@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from ringside import run_ranks
-from test_template import SCRIPT, adapted_template, saved_by, sigterm_trial, template_module, train
+from test_template import CHAR_LM, SCRIPT, adapted_template, saved_by, sigterm_trial, template_module, train
 
 pytestmark = pytest.mark.slow(1)  # forked template runs of a few steps each
 
@@ -198,3 +198,73 @@ def test_fsdp_saves_weights_sharded_and_one_process_reads_them(tmp_path):
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     assert best["step"] == 3 and best["loss"] == 1.5
     t.load_pretrained(model, str(tmp_path / "best.pt"))
+
+
+def test_the_meta_device_build_makes_the_buffers_build_model_makes():
+    """Item 4: --fsdp builds the model on the meta device, where buffers are empty: a rotary
+    embedding's table (persistent=False: not in the state_dict) and BatchNorm's running statistics
+    (here not the defaults) must come out as build_model() makes them, as must every parameter,
+    bit for bit, on every rank (compared on the device the ranks train on: the CPU here)."""
+    def build(rank, world_size):
+        import importlib.util
+
+        from torch import nn
+        spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+        class Rotary(nn.Module):
+            def __init__(self, dim: int = 8, length: int = 16):
+                super().__init__()
+                inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+                angles = torch.outer(torch.arange(length).float(), inv_freq)
+                self.register_buffer("cos", angles.cos(), persistent=False)
+                self.register_buffer("sin", angles.sin(), persistent=False)
+                self.proj = nn.Linear(dim, dim)
+
+            def forward(self, x):
+                return self.proj(x)
+
+        def build_model():
+            model = nn.Sequential(Rotary(), nn.BatchNorm1d(8), nn.Linear(8, 4))
+            model[1].running_mean.normal_()  # (drawn from the seeded generator, as an initialisation would)
+            model[1].running_var.uniform_(0.5, 2.0)
+            model[1].num_batches_tracked.fill_(7)
+            return model
+
+        module.build_model = build_model
+        module.fsdp_blocks = lambda model: [model[0]]
+        torch.manual_seed(0)
+        net = module.build_sharded_model(torch.device("cpu"), None, None, False, False)
+        torch.manual_seed(0)
+        reference = build_model()
+        built = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in net.named_parameters()}
+        built.update(net.named_buffers())
+        expected = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+        assert sorted(built) == sorted(expected), (sorted(built), sorted(expected))
+        return [n for n in expected if not torch.equal(built[n], expected[n])]
+
+    different = run_ranks(build, 2, show_output=False, timeout=60)
+    assert different == [[], []], different
+
+
+def test_activation_checkpointing_changes_no_bit_and_refuses_batchnorm(tmp_path):
+    """Item 2: --activation-checkpointing recomputes each block (fsdp_blocks) in the backward. A
+    transformer LM with dropout at 2 processes, FSDP and DDP: every step's loss and the final weights
+    are bit for bit those without it (the recomputation draws the same dropout). The example model's
+    blocks have BatchNorm, which a recomputation would update twice: refused."""
+    script = adapted_template(tmp_path, {**CHAR_LM, "fsdp_blocks": "def fsdp_blocks(model):\n    return [model.block]\n"})
+    common = ["--epochs", "1", "--max-steps", "4", "--checkpoint-every", "1000", "--log-every", "1",
+              "--batch-size", "8", "--workers", "0", "--lr", "0.05"]
+    for kind in (["--fsdp"], []):
+        runs = {}
+        for recompute in ([], ["--activation-checkpointing"]):
+            out = tmp_path / f"{kind}{recompute}"
+            result, _ = train(out, 2, *kind, *recompute, script=script, common=common)
+            losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                      if "loss" in json.loads(line)]
+            runs[bool(recompute)] = (losses, result["weights_sha256"])
+        assert len(runs[False][0]) == 4 and runs[True] == runs[False], (kind, runs)
+    t = template_module()
+    with pytest.raises(SystemExit, match="has BatchNorm, whose running statistics the recomputation would update twice"):
+        t.checkpoint_activations(t.build_model())
