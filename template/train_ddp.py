@@ -36,7 +36,8 @@ STARTED = time.monotonic()  # this process's start: how much of a Slurm attempt 
 # A stop signal only sets this flag; training acts on it at the next step. Installed before anything
 # else: a signal during the seconds of `import torch` must not kill the process either.
 #   SIGTERM  Slurm's warning, torchrun passing its own SIGTERM or SIGINT on, `kill`
-#   SIGINT   Ctrl-C (the terminal sends it to torchrun and to every process it started)
+#   SIGINT   Ctrl-C (the terminal sends it to torchrun, which passes it on: its processes run in
+#            sessions of their own; without torchrun, to this process and its loader workers)
 #   SIGUSR1  the sbatch's "time limit near": save, stop, and the job requeues itself
 #   SIGUSR2  the sbatch's "save and stop" (`scancel --signal=USR2 JOB`, with or without --batch)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
@@ -356,7 +357,8 @@ def save_atomic(obj, path: Path) -> None:
 def save_sharded(net: nn.Module, optimizer, train_state: dict, path: Path, is_main: bool) -> None:
     """--fsdp: a DCP checkpoint folder. Every rank writes its own shards of the model and optimizer
     (torch.distributed.checkpoint) into OUT/.checkpoint-<step>.tmp/; rank 0 adds train_state.pt and
-    renames the folder once every rank has written (dcp.save returns on rank 0 after that)."""
+    SHA256SUMS (write_checksums) and renames the folder once every rank has written (dcp.save
+    returns on every rank after that)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -368,22 +370,102 @@ def save_sharded(net: nn.Module, optimizer, train_state: dict, path: Path, is_ma
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
     if is_main:
         save_atomic(train_state, tmp / TRAIN_STATE)
+    write_checksums(tmp, is_main)
+    if is_main:
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
         _READABLE.add(path)
 
 
-def load_sharded(net: nn.Module, optimizer, path: Path) -> None:
+# In a DCP folder: every file's SHA-256, written at the save, checked before a load. A shard with
+# other bytes of the same length (a bad disk, a copy gone wrong) loads without a word, or fails deep
+# in DCP on every rank; the checksums find it first. By hand: `cd OUT/checkpoint-<step> && sha256sum -c SHA256SUMS`.
+CHECKSUMS = "SHA256SUMS"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checksums(folder: Path, is_main: bool) -> None:
+    """Every rank hashes its share of the folder's shard files (in parallel), rank 0 writes them all
+    to folder/SHA256SUMS with .metadata's and train_state.pt's (the format `sha256sum -c` reads)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    names = sorted(p.name for p in folder.glob("*.distcp"))
+    mine = {name: file_sha256(folder / name) for name in names[rank::world_size]}
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    if is_main:
+        sums = {name: digest for part in every for name, digest in part.items()}
+        for name in (".metadata", TRAIN_STATE):
+            if (folder / name).exists():
+                sums[name] = file_sha256(folder / name)
+        with open(folder / CHECKSUMS, "w") as f:
+            f.writelines(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def checksum_problem(folder: Path) -> str | None:
+    """Why a DCP folder's files differ from the SHA256SUMS written at its save, or None (also for a
+    folder without one, from an earlier version of this script). Every rank checks its share of the
+    files, in parallel; every rank gets the same answer."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    problem = None
+    if (folder / CHECKSUMS).exists():
+        lines = (line.split(None, 1) for line in (folder / CHECKSUMS).read_text().splitlines())
+        sums = {name: digest for digest, name in lines}
+        for name in sorted(sums)[rank::world_size]:
+            if not (folder / name).is_file():
+                problem = f"{name} is missing"
+            elif file_sha256(folder / name) != sums[name]:
+                problem = f"{name}'s SHA-256 differs from the one written at the save (other bytes)"
+            if problem:
+                break
+    every = [None] * world_size
+    dist.all_gather_object(every, problem)
+    return next((p for p in every if p), None)
+
+
+def load_sharded(net: nn.Module, optimizer, path: Path) -> str | None:
     """Each rank reads its shards of a DCP checkpoint: at the same number of processes or another
-    (DCP reshards)."""
+    (DCP reshards). Returns None, or why it could not be read (the same on every rank: the files'
+    checksums, or an error of any rank's dcp.load), in one line; the model and optimizer are then
+    half-loaded, and the caller loads another checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(net, optimizer)  # (the optimizer's state made first)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    problem = checksum_problem(path)
+    if problem:
+        return problem
+    try:
+        model_state, optimizer_state = get_state_dict(net, optimizer)  # (the optimizer's state made first)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - CheckpointException is a BaseException
+        problem = one_line(error)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)  # (DCP raises on every rank when one fails; this makes sure)
+    return next((p for p in every if p), None)
+
+
+def one_line(error: BaseException) -> str:
+    """An error in one line: its type and last line; for DCP's CheckpointException (every failed
+    rank's traceback, hundreds of lines), the first failed rank's error."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"rank {rank}: {one_line(inner)}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 def dcp_metadata(path: Path):
@@ -427,16 +509,21 @@ def checkpoints(out: Path) -> list[Path]:
 
 def load_train_state(path: Path, device: torch.device) -> dict:
     """A checkpoint file, or a DCP folder's train_state.pt (its shards are loaded later, by every
-    rank: here only checked to be whole)."""
-    if path.is_dir():
-        if not (path / ".metadata").exists():
-            raise FileNotFoundError(f"{path / '.metadata'} is missing")
-        state = torch.load(path / TRAIN_STATE, map_location=device, weights_only=True)
-        problem = cut_shard(path)
-        if problem:
-            raise OSError(problem)
-        return state
-    return torch.load(path, map_location=device, weights_only=True)
+    rank: here only checked to be whole). torch.load does not check the zip archive's CRCs (other
+    bytes in a tensor load silently): checked here first."""
+    file = path / TRAIN_STATE if path.is_dir() else path
+    if path.is_dir() and not (path / ".metadata").exists():
+        raise FileNotFoundError(f"{path / '.metadata'} is missing")
+    if zipfile.is_zipfile(file):
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()  # reads every member, compares its CRC-32
+        if bad is not None:
+            raise OSError(f"{bad} in {file.name} has other bytes than were written (its CRC-32 differs)")
+    state = torch.load(file, map_location=device, weights_only=True)
+    problem = cut_shard(path) if path.is_dir() else None
+    if problem:
+        raise OSError(problem)
+    return state
 
 
 def saved_shapes(path: Path, state: dict) -> dict[str, tuple | None]:
@@ -449,12 +536,16 @@ def saved_shapes(path: Path, state: dict) -> dict[str, tuple | None]:
             for k, m in entries.items() if k.startswith("model.")}
 
 
-def newest_loadable_checkpoint(out: Path, device: torch.device) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads; one that does not (cut off by a full disk, say) is skipped
-    with a warning and the one before it is used. None when there is none at all; when there are
-    some but none loads, refuse (starting from step 0 would throw the run away silently)."""
+def newest_loadable_checkpoint(out: Path, device: torch.device, skip: set[Path] = frozenset()
+                               ) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads; one that does not (cut off by a full disk, say), or one in
+    `skip` (its shards failed to load), is skipped with a warning and the one before it is used.
+    None when there is none at all; when there are some but none loads, refuse (starting from step 0
+    would throw the run away silently)."""
     found = checkpoints(out)
     for path in found:
+        if path in skip:
+            continue
         try:
             return path, load_train_state(path, device)
         except Exception as error:  # noqa: BLE001 - any unreadable file: try the one before
@@ -471,6 +562,7 @@ class CheckpointError(Exception):
 
 
 _READABLE: set[Path] = set()  # checkpoints this process wrote, or found readable once
+_UNREADABLE: set[Path] = set()  # checkpoints whose shards failed to load (checksums, dcp.load)
 
 
 def readable(path: Path) -> bool:
@@ -480,6 +572,8 @@ def readable(path: Path) -> bool:
     long as .metadata says. Each is checked once."""
     if path in _READABLE:
         return True
+    if path in _UNREADABLE:
+        return False
     file = path / TRAIN_STATE if path.is_dir() else path
     try:
         with zipfile.ZipFile(file) as archive:
@@ -578,6 +672,21 @@ def to_device(x, device: torch.device):
     return x
 
 
+def peak_memory_mib(device: torch.device) -> float | None:
+    """The most memory this process has held so far, in MiB: on a GPU the tensors' peak
+    (torch.cuda.max_memory_allocated), on the CPU the peak resident set (getrusage), which counts
+    everything the process touched. On the CPU, glibc keeps freed memory in the process unless
+    MALLOC_MMAP_THRESHOLD_ is set (e.g. =1048576): without it FSDP's freed gathers stay counted."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+    except ImportError:  # (Windows)
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**20 if sys.platform == "darwin" else 1024)
+
+
 def write_metrics(path: Path, record: dict, board=None) -> None:
     """One JSON line per record (read back with pandas.read_json(path, lines=True)); to TensorBoard
     too when `board` is a SummaryWriter."""
@@ -586,7 +695,7 @@ def write_metrics(path: Path, record: dict, board=None) -> None:
     if board is not None:
         group = "validation" if "validation" in record else "train"
         for name, value in record.get("validation", record).items():
-            if name not in ("step", "epoch", "count"):
+            if name not in ("step", "epoch", "count") and value is not None:
                 board.add_scalar(f"{group}/{name}", value, record["step"])
         board.flush()
 
@@ -637,6 +746,26 @@ def settle_bucket_order(model: DDP, batch) -> None:
     model.train()
 
 
+def checkpoint_activations(net: nn.Module) -> None:
+    """--activation-checkpointing: each of fsdp_blocks(net) keeps only its input for the backward
+    and runs its forward again there (torch.utils.checkpoint, use_reentrant=False), so that one
+    block's activations at a time are alive in the backward, not every block's: less memory for
+    about one more forward of compute. The recomputation draws the same random numbers (dropout)
+    as the forward did, so the results are bit for bit those without it. Before DDP or fully_shard
+    (which, in the backward, gathers a block's parameters before its recomputation needs them).
+    BatchNorm refused: recomputed, it would update its running statistics a second time."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for block in fsdp_blocks(net):
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in block.modules()):
+            raise SystemExit(f"--activation-checkpointing: a block of fsdp_blocks(model) ({type(block).__name__}) "
+                             f"has BatchNorm, whose running statistics the recomputation would update twice; "
+                             f"use it with blocks without BatchNorm (a transformer's layers)")
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
 def shard_model(net: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     """--fsdp: FSDP2 (fully_shard) on each of fsdp_blocks(net), then on the whole model. Parameters
     in `param_dtype` for the forward and backward (bf16 with --amp), gradients reduced in float32."""
@@ -651,7 +780,7 @@ def shard_model(net: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
 
 
 def build_sharded_model(device: torch.device, param_dtype: torch.dtype | None, pretrained: str | None,
-                        sync_bn: bool, compile: bool) -> nn.Module:
+                        sync_bn: bool, compile: bool, activation_checkpointing: bool = False) -> nn.Module:
     """--fsdp: a model whose weights need not fit one device. Every process builds it on the meta
     device (shapes, no memory), shards it and allocates only its own shards (`to_empty`). Rank 0
     alone builds it for real, on the CPU (the larger memory), with --pretrained's weights, and sends
@@ -678,6 +807,8 @@ def build_sharded_model(device: torch.device, param_dtype: torch.dtype | None, p
         net = build_model()
     if sync_bn:
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    if activation_checkpointing:
+        checkpoint_activations(net)
     if compile:
         net.compile()
     shard_model(net, param_dtype)
@@ -698,7 +829,8 @@ def build_sharded_model(device: torch.device, param_dtype: torch.dtype | None, p
 
 def full_state_dict(net: nn.Module, fsdp: bool) -> dict:
     """The whole model's state_dict on rank 0, on the CPU (with --fsdp every rank must call this:
-    the shards are gathered; the other ranks get {})."""
+    the shards are gathered, and rank 0 holds the whole model; the other ranks get {}). The script
+    itself saves weights without it (save_weights)."""
     if not fsdp:
         return net.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -706,12 +838,53 @@ def full_state_dict(net: nn.Module, fsdp: bool) -> dict:
     return get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def model_weights(net: nn.Module, fsdp: bool) -> dict:
+    """The model's state_dict as it is: with --fsdp each parameter a DTensor (this rank's shard of it)."""
+    if not fsdp:
+        return net.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(net)
+
+
+def save_weights(weights: dict, path: Path, fsdp: bool, is_main: bool, extra: dict | None = None) -> Path:
+    """Weights for use outside training (best, final): the state_dict, or {"model": it, **extra}.
+    DDP: the file `path` (OUT/final.pt), from rank 0. --fsdp: the folder OUT/final/ (DCP), each rank
+    writing its own shards, so that no rank holds the whole model; one process makes it the same
+    file as DDP's (torch.distributed.checkpoint.format_utils.dcp_to_torch_save):
+        python -m torch.distributed.checkpoint.format_utils dcp_to_torch OUT/final OUT/final.pt
+    Written under a temporary name and renamed. Returns the file or folder."""
+    state = {"model": weights, **extra} if extra else weights
+    if not fsdp:
+        if is_main:
+            save_atomic(state, path)
+        return path
+    import torch.distributed.checkpoint as dcp
+
+    folder = path.with_suffix("")
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    write_checksums(tmp, is_main)
+    if is_main:
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    return folder
+
+
 def weights_sha256(state: dict) -> str:
-    """A fingerprint of every parameter and buffer: equal fingerprints, bit-identical weights."""
+    """A fingerprint of every parameter and buffer: equal fingerprints, bit-identical weights. A
+    sharded state_dict (--fsdp: DTensors) too, on every rank at once: each tensor is gathered in
+    turn and freed, so no rank holds more than one whole tensor; the digest is the whole model's."""
     h = hashlib.sha256()
     for name, t in sorted(state.items()):
+        if hasattr(t, "full_tensor"):  # (a collective: every rank, in the same order)
+            t = t.full_tensor()
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -789,6 +962,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 instead of DDP: parameters, gradients and optimizer state sharded over the "
                         "processes (fully_shard per fsdp_blocks), sharded DCP checkpoints")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations (fsdp_blocks) in the backward instead of keeping "
+                        "them: less memory, about one more forward of compute; bit for bit the same results "
+                        "(not for blocks with BatchNorm)")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
                    help="auto: bf16 on GPUs that run it natively (Ampere+), else fp16 + GradScaler (with --fsdp: "
                         "off); off on the CPU")
@@ -883,8 +1060,8 @@ TRAINER_PID = os.getpid()  # (set again in main(); forked DataLoader workers inh
 
 
 def worker_init(worker_id: int) -> None:
-    """First thing in every DataLoader worker. Slurm, torchrun and a terminal's Ctrl-C signal every
-    process, and a worker killed by a signal makes the training process raise before it can save;
+    """First thing in every DataLoader worker. Slurm and a terminal's Ctrl-C (without torchrun) signal
+    every process, and a worker killed by a signal makes the training process raise before it can save;
     so workers ignore the stop signals. They are forked with these blocked (start_workers): one that
     arrived since is still pending, and SIG_IGN discards it before the unblock. And a worker dies
     with its training process (Linux: PR_SET_PDEATHSIG), even one killed with SIGKILL, instead of
@@ -953,6 +1130,62 @@ def exit_now(code: int) -> None:
 # --- Training ----------------------------------------------------------------------------------------------
 
 
+def choose_checkpoint(out: Path, args: argparse.Namespace, device: torch.device, is_main: bool,
+                      skip: set[Path]) -> tuple[Path | None, dict | None]:
+    """(the checkpoint to resume from, its train state) on every rank, or (None, None) to start
+    afresh: OUT's newest that loads and is not in `skip`, or --resume while OUT has none. Rank 0
+    chooses and tells the others; a refusal (none can be read) stops every rank in one line."""
+    found, refused = None, None
+    if is_main:
+        try:
+            if args.resume and not checkpoints(out):
+                try:
+                    found = Path(args.resume), load_train_state(Path(args.resume), device)
+                except Exception as error:  # noqa: BLE001 - said in one line, on every rank
+                    refused = f"--resume {args.resume} cannot be read ({one_line(error)})"
+            else:
+                if args.resume and not skip:
+                    log.info("--resume %s not used: %s has checkpoints of its own, and goes on from its newest",
+                             args.resume, out)
+                found = newest_loadable_checkpoint(out, device, skip)
+        except CheckpointError as error:
+            refused = str(error)
+    chosen = [str(found[0]) if found else None, refused]
+    dist.broadcast_object_list(chosen)
+    if chosen[1]:
+        raise SystemExit(chosen[1])  # on every rank: none waits for the others
+    if chosen[0] is None:
+        return None, None
+    ckpt = Path(chosen[0])
+    # (FileNotFoundError on another machine: --out is not a folder that every machine sees)
+    return ckpt, found[1] if is_main else load_train_state(ckpt, device)
+
+
+def build_network(args: argparse.Namespace, device: torch.device, amp_dtype) -> tuple[nn.Module, nn.Module]:
+    """(model, net): the network to train (DDP-wrapped, or sharded in place with --fsdp) and the bare
+    network inside it, with --pretrained's weights, --sync-bn (nccl only) and --compile."""
+    if args.sync_bn and device.type != "cuda":
+        log.warning("--sync-bn needs nccl: on the CPU each rank keeps its own BatchNorm statistics")
+    sync_bn = args.sync_bn and device.type == "cuda"
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")  # (cuDNN's convolutions use TF32 by default already)
+    if args.fsdp:  # built on the meta device, sharded, then filled from rank 0 (in place: model is net)
+        net = build_sharded_model(device, amp_dtype, args.pretrained, sync_bn, args.compile,
+                                  args.activation_checkpointing)
+        return net, net
+    net = build_model()
+    if args.pretrained:
+        load_pretrained(net, args.pretrained)
+    if sync_bn:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    net.to(device)
+    if args.activation_checkpointing:
+        checkpoint_activations(net)
+    if args.compile:
+        net.compile()  # nn.Module.compile: in place, so state_dict keys stay as they are
+    return DDP(net, device_ids=[device.index] if device.type == "cuda" else None), net
+
+
 @record  # an exception's traceback goes to torchrun's summary of the failed ranks
 def main() -> None:
     try:
@@ -1015,85 +1248,62 @@ def train() -> None:
     global_batch = world_size * per_step
 
     # Resume from the newest checkpoint that loads (or from --resume while OUT has none). Rank 0
-    # chooses and tells the others, so that all ranks resume from the same one.
-    found, refused = None, None
+    # chooses and tells the others, so that all ranks resume from the same one. A DCP checkpoint whose
+    # shards then do not load (checksums, or dcp.load failing on any rank) is set aside by every
+    # rank at once, and they go on together from the one before it.
     if is_main:
         for stale in out.glob(".*.tmp"):  # a save cut off before its rename (the one it replaced is whole)
             remove(stale)
         (out / STOPPED_MARKER).unlink(missing_ok=True)
-        try:
-            if args.resume and not checkpoints(out):
-                try:
-                    found = Path(args.resume), load_train_state(Path(args.resume), device)
-                except Exception as error:  # noqa: BLE001 - said in one line, on every rank
-                    refused = (f"--resume {args.resume} cannot be read ({type(error).__name__}: "
-                               f"{str(error).splitlines()[0][:200] if str(error) else ''})")
-            else:
-                if args.resume:
-                    log.info("--resume %s not used: %s has checkpoints of its own, and goes on from its newest",
-                             args.resume, out)
-                found = newest_loadable_checkpoint(out, device)
-        except CheckpointError as error:
-            refused = str(error)
-    chosen = [str(found[0]) if found else None, refused]
-    dist.broadcast_object_list(chosen)
-    if chosen[1]:
-        raise SystemExit(chosen[1])  # on every rank: none waits for the others
-    ckpt, state, saved = None, None, {}
-    if chosen[0] is not None:
-        ckpt = Path(chosen[0])
-        # (FileNotFoundError on another machine: --out is not a folder that every machine sees)
-        state = found[1] if is_main else load_train_state(ckpt, device)
-        saved = state.get("settings", {})
+    skipped: set[Path] = set()
+    model = net = None
+    while True:
+        ckpt, state = choose_checkpoint(out, args, device, is_main, skipped)
+        saved = state.get("settings", {}) if state is not None else {}
 
-    # Where the run is: optimizer steps done, the epoch, and how many of this epoch's samples the
-    # ranks took together (which goes on at any number of processes: ResumableSampler, RankStream).
-    step, epoch, consumed, best = 0, 0, 0, None
-    if state is not None:
-        step, best = state["step"], state.get("best")
-        if "epoch" in state:
-            epoch, consumed = state["epoch"], state["consumed"]
-        else:  # (a checkpoint of an earlier version of this script)
-            epoch, done = divmod(step, steps_per_epoch)
-            consumed = done * saved.get("global_batch", global_batch)
-    total_steps = step
-    if epoch < args.epochs:  # the rest of this epoch, then whole epochs
-        total_steps += (per_rank - consumed // world_size) // per_step + steps_per_epoch * (args.epochs - epoch - 1)
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
-    resized = state is not None and saved.get("world_size", world_size) != world_size
-    if state is not None:
-        problems = resume_problems(saved, args, world_size, None if resized else total_steps)
-        if problems:
-            raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
-                             f"the old ones, or start afresh with a new --out")
-
-    if state is not None:  # a checkpoint of another model: said in one line, before anything changes
-        with torch.device("meta"):  # (shapes only)
-            problem = model_mismatch(shapes_of(build_model().state_dict()), saved_shapes(ckpt, state))
-        if problem:
-            raise SystemExit(f"{ckpt} holds another model's weights: {problem}. Resume with the model it was "
-                             f"written with, or start afresh with a new --out (nothing was changed)")
-    if args.sync_bn and device.type != "cuda":
-        log.warning("--sync-bn needs nccl: on the CPU each rank keeps its own BatchNorm statistics")
-    sync_bn = args.sync_bn and device.type == "cuda"
-    if args.tf32:
-        torch.set_float32_matmul_precision("high")  # (cuDNN's convolutions use TF32 by default already)
-    if args.fsdp:  # built on the meta device, sharded, then filled from rank 0 (in place: model is net)
-        model = net = build_sharded_model(device, amp_dtype, args.pretrained, sync_bn, args.compile)
-    else:
-        net = build_model()
-        if args.pretrained:
-            load_pretrained(net, args.pretrained)
-        if sync_bn:
-            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-        net.to(device)
-        if args.compile:
-            net.compile()  # nn.Module.compile: in place, so state_dict keys stay as they are
-        model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+        # Where the run is: optimizer steps done, the epoch, and how many of this epoch's samples the
+        # ranks took together (which goes on at any number of processes: ResumableSampler, RankStream).
+        step, epoch, consumed, best = 0, 0, 0, None
+        if state is not None:
+            step, best = state["step"], state.get("best")
+            if "epoch" in state:
+                epoch, consumed = state["epoch"], state["consumed"]
+            else:  # (a checkpoint of an earlier version of this script)
+                epoch, done = divmod(step, steps_per_epoch)
+                consumed = done * saved.get("global_batch", global_batch)
+        total_steps = step
+        if epoch < args.epochs:  # the rest of this epoch, then whole epochs
+            total_steps += (per_rank - consumed // world_size) // per_step + steps_per_epoch * (args.epochs - epoch - 1)
+        if args.max_steps is not None:
+            total_steps = min(total_steps, args.max_steps)
+        resized = state is not None and saved.get("world_size", world_size) != world_size
+        if state is not None:
+            problems = resume_problems(saved, args, world_size, None if resized else total_steps)
+            if problems:
+                raise SystemExit(f"{ckpt} was written with other settings: {'; '.join(problems)}. Resume with "
+                                 f"the old ones, or start afresh with a new --out")
+            with torch.device("meta"):  # another model's checkpoint: said in one line, before anything changes
+                problem = model_mismatch(shapes_of(build_model().state_dict()), saved_shapes(ckpt, state))
+            if problem:
+                raise SystemExit(f"{ckpt} holds another model's weights: {problem}. Resume with the model it "
+                                 f"was written with, or start afresh with a new --out (nothing was changed)")
+        if model is None:
+            startup_mib = peak_memory_mib(device)  # (before the model: what the rest adds is the training's)
+            model, net = build_network(args, device, amp_dtype)
+        optimizer, scheduler = build_optimizer(model, args, total_steps)
+        if state is None or not args.fsdp:
+            break
+        problem = load_sharded(net, optimizer, ckpt)  # every rank its shards (resharded at another world size)
+        if problem is None:
+            break
+        if args.resume and ckpt == Path(args.resume):
+            raise SystemExit(f"--resume {ckpt} could not be loaded ({problem})")
+        if is_main:
+            log.warning("%s cannot be read (%s): every rank goes on from the checkpoint before it", ckpt, problem)
+        skipped.add(ckpt)
+        _UNREADABLE.add(ckpt)  # (and the retention does not count it among those kept)
     if args.pretrained:
         log.info("initial weights from %s", args.pretrained)
-    optimizer, scheduler = build_optimizer(model, args, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
 
     best_path = out / "best.pt"
@@ -1101,15 +1311,7 @@ def train() -> None:
                 "global_batch": global_batch, "world_size": world_size, "batch_size": args.batch_size,
                 "accum": args.accum}
     if state is not None:
-        if args.fsdp:
-            try:  # every rank its shards (resharded at another world size)
-                load_sharded(net, optimizer, ckpt)
-            except Exception as error:  # noqa: BLE001 - DCP raises on every rank when any rank failed
-                raise SystemExit(f"{ckpt} could not be loaded ({type(error).__name__}: "
-                                 f"{str(error).strip().splitlines()[-1][:300] if str(error).strip() else ''}); "
-                                 f"set it aside (e.g. rename it {ckpt.name}-bad) and run again to resume from "
-                                 f"the one before") from None
-        else:
+        if not args.fsdp:  # (--fsdp: loaded above)
             net.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
@@ -1184,12 +1386,15 @@ def train() -> None:
     def epochs_done() -> float:
         return epoch + consumed / (steps_per_epoch * global_batch)
 
+    validated = {}  # the last validation's step and result: the final one reuses it (no second pass)
+
     def validate_and_keep_best(stop_work):
         """Evaluate, log, and keep best.pt; returns None for the stop vote it waited for."""
         nonlocal best
         if stop_work is not None:
             stop_work.wait()  # (a vote still in flight would meet evaluate's all-reduce; the next step votes again)
         val = evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
+        validated.update(step=step, result=val)
         log.info("step %d (epoch %.2f): validation %s", step, epochs_done(),
                  ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
         if is_main:
@@ -1199,9 +1404,8 @@ def train() -> None:
             scheduler.step(value)
         if best is None or (value > best if HIGHER_IS_BETTER else value < best):
             best = value
-            weights = full_state_dict(net, args.fsdp)  # (with --fsdp, every rank takes part)
-            if is_main:
-                save_atomic({"model": weights, "step": step, BEST_METRIC: best}, best_path)
+            save_weights(model_weights(net, args.fsdp), best_path, args.fsdp, is_main,  # (--fsdp: every rank its shards)
+                         extra={"step": step, BEST_METRIC: best})
         return None
 
     metrics = out / "metrics.jsonl"  # rank 0 appends a line per log step and per validation
@@ -1247,6 +1451,7 @@ def train() -> None:
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
             if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
                 grad_norm = grad_norm.full_tensor()
+            lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler sets the next step's below)
             scaler.step(optimizer)  # skipped if fp16 gradients overflowed
             scaler.update()
             if not isinstance(scheduler, PLATEAU):  # (a plateau steps after each validation)
@@ -1255,6 +1460,25 @@ def train() -> None:
             step += 1
             consumed += global_batch
             bar.update()
+            window["steps"] += 1
+            if step % args.log_every == 0:  # (no .item() between these points: the CPU runs ahead of the GPU)
+                loss_total = window["loss"].float()
+                dist.all_reduce(loss_total)
+                seconds = time.monotonic() - window["since"]
+                record = {"step": step, "epoch": round(epochs_done(), 4),
+                          "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
+                          "grad_norm": grad_norm.item(), "lr": lr,
+                          "step_time_s": seconds / window["steps"],
+                          "samples_per_s": window["steps"] * global_batch / seconds,
+                          "peak_memory_mib": peak_memory_mib(device)}  # (rank 0's, so far)
+                eta = round((total_steps - step) * record["step_time_s"])
+                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  "
+                         "ETA %d:%02d:%02d", step, total_steps, record["loss"], record["grad_norm"], record["lr"],
+                         record["samples_per_s"], record["step_time_s"], eta // 3600, eta // 60 % 60, eta % 60)
+                if is_main:
+                    write_metrics(metrics, record, board)
+                window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
+            # The stop vote, after this step's row (a stop loses no row of metrics.jsonl or TensorBoard).
             if stop_work is not None:
                 stop_work.wait()
                 vote = int(stop_votes.item())
@@ -1275,23 +1499,6 @@ def train() -> None:
                     break
             stop_votes = torch.tensor([float(STOP_REQUESTED)], device=device)
             stop_work = dist.all_reduce(stop_votes, op=dist.ReduceOp.MAX, async_op=True)
-            window["steps"] += 1
-            if step % args.log_every == 0:  # (no .item() between these points: the CPU runs ahead of the GPU)
-                loss_total = window["loss"].float()
-                dist.all_reduce(loss_total)
-                seconds = time.monotonic() - window["since"]
-                record = {"step": step, "epoch": round(epochs_done(), 4),
-                          "loss": loss_total.item() / world_size / window["steps"],  # mean over steps and ranks
-                          "grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
-                          "step_time_s": seconds / window["steps"],
-                          "samples_per_s": window["steps"] * global_batch / seconds}
-                eta = round((total_steps - step) * record["step_time_s"])
-                log.info("step %d/%d  loss %.4f  grad norm %.3g  lr %.3g  %.0f samples/s  %.3g s/step  "
-                         "ETA %d:%02d:%02d", step, total_steps, record["loss"], record["grad_norm"], record["lr"],
-                         record["samples_per_s"], record["step_time_s"], eta // 3600, eta // 60 % 60, eta % 60)
-                if is_main:
-                    write_metrics(metrics, record, board)
-                window = {"loss": torch.zeros((), device=device), "steps": 0, "since": time.monotonic()}
             last_of_pass = i == steps_now - 1  # (the epoch's or the run's end: validated and saved below)
             if args.eval_every and step % args.eval_every == 0 and not last_of_pass:
                 stop_work = validate_and_keep_best(stop_work)
@@ -1309,14 +1516,26 @@ def train() -> None:
         board.close()
 
     if not stopped:
-        val = evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
-        weights = full_state_dict(net, args.fsdp)
+        val = validated["result"] if validated.get("step") == step else \
+            evaluate(net, val_set, rank, world_size, device, args, amp_dtype, lockstep=args.fsdp)
+        weights = model_weights(net, args.fsdp)
+        digest = weights_sha256(weights)  # (--fsdp: every rank takes part, one tensor at a time)
+        final = save_weights(weights, out / "final.pt", args.fsdp, is_main)
+        memory = [None] * world_size  # each rank's peak, and how much of it came after the start-up
+        dist.all_gather_object(memory, (peak_memory_mib(device), startup_mib))
+        memory = {"peak": [m[0] for m in memory], "startup": [m[1] for m in memory]}
+        if is_main and None not in memory["peak"]:
+            log.info("peak memory per rank: %s MiB (%s after the start-up; %s)",
+                     ", ".join(f"{m:.0f}" for m in memory["peak"]),
+                     ", ".join(f"+{m - b:.0f}" for m, b in zip(memory["peak"], memory["startup"])),
+                     "GPU tensors" if device.type == "cuda" else "resident set")
         if is_main:
-            digest = weights_sha256(weights)
-            log.info("final: validation %s, weights sha256 %s",
-                     ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"), digest[:16])
-            save_atomic(weights, out / "final.pt")
-            result = {**val, "step": step, "world_size": world_size, "weights_sha256": digest}
+            log.info("final: validation %s, weights sha256 %s, in %s%s",
+                     ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"), digest[:16], final,
+                     f" (one file: python -m torch.distributed.checkpoint.format_utils dcp_to_torch {final} "
+                     f"{final}.pt)" if args.fsdp else "")
+            result = {**val, "step": step, "world_size": world_size, "weights_sha256": digest,
+                      "memory_mib": memory}
             (out / "result.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
     exit_now(0)
