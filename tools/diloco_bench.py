@@ -6,8 +6,9 @@ its own slice of every global batch, AdamW inside) for the same number of steps:
 
     ddp             DDP: the gradients all-reduced at every step
     ddp_bf16        DDP with chapter 12's bf16_compress_hook: the gradients sent in bf16 (half the bytes).
-                    (Chapter 12's powerSGD_hook hung here at its first compressed step, every rank waiting in
-                    the nested all-reduce its callback makes, with one thread per rank: not measured.)
+                    (Chapter 12's powerSGD_hook hung here at its first compressed step: its callbacks start and
+                    wait for nested all-reduces on gloo's 2 worker threads, and this model's 2 buckets can leave
+                    both waiting; with bucket_cap_mb=100, one bucket, it runs. Not measured.)
     local_sgd_h16   16 local steps, then the parameters averaged (outer lr 1, no momentum)
     diloco_hH       H local steps, then DiLoCo's outer Nesterov step on the averaged pseudo-gradient (lr 0.7,
                     momentum 0.5: the paper's 0.9 overshoots on a run this short, as diloco_h16_m0.9 shows)
@@ -69,8 +70,9 @@ class Outer:
         self.buffers = [torch.zeros_like(p) for p in self.params]
         self.lr, self.momentum, self.dtype, self.overlap = lr, momentum, dtype, overlap
         self.pending = None  # (flat, work, the parameters when it was sent) while an all-reduce is in flight
-        # the overlapped all-reduce gets a group of its own: gloo runs one group's collectives in order, so on
-        # the default group the next barrier or all-reduce would wait for it and nothing would overlap
+        # the overlapped all-reduce gets a group of its own: on the default group the next barrier waits for it
+        # (gloo runs a group's collectives on 2 worker threads, and its barrier waits for all of them; NCCL runs
+        # them in order), and it would hold one of the threads the training's own collectives use
         self.group = dist.new_group(backend="gloo") if overlap else None
 
     @torch.no_grad()
