@@ -277,8 +277,9 @@ NUMBER = re.compile(r"(\d+(?:\.\d+)?)")
 
 
 def _merge_by_one_number(shared: dict[str, list[int]]) -> list[tuple[str, list[int]]]:
-    """FAIL lines that differ only in one number become one line, the number given rank by rank:
-    "ranks 0-3: FAIL - the shard holds 3/4/4/5 rows, expected 4" rather than a line per rank."""
+    """FAIL lines that differ only in one number become one line: the first rank's diagnosis as it
+    is, and what the others had instead ("ranks 1-3: FAIL - expected rank 1's tensor (likewise on
+    ranks 2-3, with 2, 3 for 1)") rather than a line per rank."""
     groups: list[tuple[dict[int, list[str]], list[int | None]]] = []  # (rank -> its pieces, [where they differ])
     for verdict, ranks in shared.items():
         pieces = NUMBER.split(verdict)  # text, number, text, number, ..., text
@@ -295,10 +296,13 @@ def _merge_by_one_number(shared: dict[str, list[int]]) -> list[tuple[str, list[i
             groups.append(({rank: pieces for rank in ranks}, [None]))
     lines = []
     for by_rank, (where,) in groups:
-        pieces = list(next(iter(by_rank.values())))
+        first = by_rank[min(by_rank)]
+        text = "".join(first)
         if where is not None:
-            pieces[where] = "/".join(by_rank[r][where] for r in sorted(by_rank))
-        lines.append(("".join(pieces), sorted(by_rank)))
+            others = [r for r in sorted(by_rank) if by_rank[r][where] != first[where]]
+            text += (f" (likewise on {ranks_label(others)}, with {', '.join(by_rank[r][where] for r in others)} "
+                     f"for {first[where]})")
+        lines.append((text, sorted(by_rank)))
     return lines
 
 
