@@ -108,6 +108,14 @@ test: setup ## run every test: notebooks (nbval), labs, solutions, package
 	$(PY) -m pytest -q -rs -p no:randomly -n $(TEST_WORKERS) $(NBVAL) $(TESTS) $(if $(TESTS_K),-k "$(TESTS_K)"); status=$$?; \
 	echo "make test: total $$(( $$(date +%s) - start )) s"; exit $$status
 
+# What each test costs in CPU-seconds (the suite is bound by CPU on 2 cores), by file and by chapter
+# against the budgets in docs/AUTHORING.md; TESTS and TESTS_K as for make test. Needs root (a cgroup).
+# COST_JSON=file keeps every test's numbers.
+.PHONY: test-cost
+test-cost: setup ## what each test costs in CPU-seconds, by file and by chapter, against docs/AUTHORING.md's budgets (root)
+	@$(PY) -m tools.test_cost --check $(if $(COST_JSON),--json $(COST_JSON)) -- -q -p no:randomly -n $(TEST_WORKERS) $(NBVAL) \
+	    $(TESTS) $(if $(TESTS_K),-k "$(TESTS_K)")
+
 # What can differ with another torch or another CPU's kernels: every notebook's outputs, every
 # solution at every world size it accepts (numbers compared bit for bit), the recorder and the stand-in
 # GPU (they patch torch), the conformance tests (PyTorch's own as the reference) and the correct

@@ -55,7 +55,16 @@ from .runtime import (  # noqa: E402
     require_torchrun,
 )
 
-if "ipykernel" in sys.modules:  # a notebook will run ranks soon: start their starter now (seconds)
+
+
+def _in_a_kernel() -> bool:
+    """A Jupyter kernel runs this, not merely a process that imported ipykernel (pytest with nbval
+    does: a rank starter there would import torch for nothing)."""
+    ipython = sys.modules.get("IPython")
+    return "ipykernel" in sys.modules and ipython is not None and hasattr(ipython.get_ipython(), "kernel")
+
+
+if _in_a_kernel():  # a notebook will run ranks soon: start their starter now (seconds)
     start_rank_starter()
 
 __all__ = [

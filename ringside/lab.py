@@ -16,7 +16,10 @@ import hashlib
 import io
 import json
 import linecache
+import os
+import re
 import sys
+import time
 import traceback
 from contextlib import contextmanager, redirect_stdout
 from datetime import timedelta
@@ -162,15 +165,35 @@ def report(checks: Checks, title: str, timeout: timedelta = DEFAULT_TIMEOUT) -> 
     failing = [r for r, (count, failures, _) in enumerate(verdicts) if failures or count == 0]
     if checks.rank == 0:
         print(f"\n== {title}: self-check on {ranks_count(len(verdicts))} ==")
-        for line in verdict_lines([(count, failures) for count, failures, _ in verdicts]):
+        lines = verdict_lines([(count, failures) for count, failures, _ in verdicts])
+        for line in lines:
             print(line)
         if failing:
-            print(f"{len(failing)} of {ranks_count(len(verdicts))} FAIL: fix the first message above and run again.")
+            lines.append(f"{len(failing)} of {ranks_count(len(verdicts))} FAIL: fix the first message above and run again.")
+            print(lines[-1])
+            tell_torchrun(lines)
         else:
             print(pass_line(len(verdicts)))
         flush()
         record_last_run(verdicts)
     return EXIT_FAIL if failing else EXIT_PASS
+
+
+def tell_torchrun(lines: list[str]) -> None:
+    """Under a plain `torchrun`, a failing exit is followed by torchrun's report of the failed
+    processes (30 lines and more), which pushes the verdict off the screen. Rank 0 leaves the verdict
+    in the error file torchrun gives each process (TORCHELASTIC_ERROR_FILE, the file its @record
+    writes), so that the report's last block, "Root Cause", ends with it. Not set under `make lab`."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    verdict = "\n".join(["the lab's verdict (printed above too):", *lines])
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"message": {"message": lines[-1], "extraInfo": {
+            "py_callstack": verdict, "timestamp": str(int(time.time()) - 1)}}}))  # rank 0's: the first failure
+    except OSError:
+        pass
 
 
 def _without_rank(diagnosis: str, rank: int) -> str:
@@ -247,7 +270,40 @@ def verdict_lines(verdicts: list[tuple[int, list[str]]]) -> list[str]:
         if failures or count == 0:
             continue
         shared.setdefault(f"PASS ({count} checks)", []).append(rank)
-    return [f"{ranks_label(ranks)}: {verdict}" for verdict, ranks in shared.items()]
+    return [f"{ranks_label(ranks)}: {verdict}" for verdict, ranks in _merge_by_one_number(shared)]
+
+
+NUMBER = re.compile(r"(\d+(?:\.\d+)?)")
+
+
+def _merge_by_one_number(shared: dict[str, list[int]]) -> list[tuple[str, list[int]]]:
+    """FAIL lines that differ only in one number become one line: the first rank's diagnosis as it
+    is, and what the others had instead ("ranks 1-3: FAIL - expected rank 1's tensor (likewise on
+    ranks 2-3, with 2, 3 for 1)") rather than a line per rank."""
+    groups: list[tuple[dict[int, list[str]], list[int | None]]] = []  # (rank -> its pieces, [where they differ])
+    for verdict, ranks in shared.items():
+        pieces = NUMBER.split(verdict)  # text, number, text, number, ..., text
+        for by_rank, where in groups if verdict.startswith("FAIL") else ():
+            other = next(iter(by_rank.values()))
+            if len(pieces) != len(other) or any(pieces[i] != other[i] for i in range(0, len(pieces), 2)):
+                continue
+            differ = [i for i in range(1, len(pieces), 2) if pieces[i] != other[i]]
+            if len(differ) == 1 and where[0] in (None, differ[0]) and not set(ranks) & set(by_rank):
+                where[0] = differ[0]
+                by_rank.update({rank: pieces for rank in ranks})
+                break
+        else:
+            groups.append(({rank: pieces for rank in ranks}, [None]))
+    lines = []
+    for by_rank, (where,) in groups:
+        first = by_rank[min(by_rank)]
+        text = "".join(first)
+        if where is not None:
+            others = [r for r in sorted(by_rank) if by_rank[r][where] != first[where]]
+            text += (f" (likewise on {ranks_label(others)}, with {', '.join(by_rank[r][where] for r in others)} "
+                     f"for {first[where]})")
+        lines.append((text, sorted(by_rank)))
+    return lines
 
 
 def refusal(title: str, world_size: int, why: str) -> str:

@@ -10,18 +10,25 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-# Some tests fork processes from this one (launch.fork_processes): no OpenMP thread pool to copy, and
-# one thread per process where several share the cores. Scripts' ranks fork from the rank starter.
-torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
-import torch._dynamo  # noqa: E402,F401 - DDP imports it on first use: seconds per rank otherwise
-import matplotlib.figure  # noqa: E402,F401 - the capstone draws its curves: most of a second per run
-
-from ringside.launch import ROOT  # noqa: E402
-
+ROOT = Path(__file__).resolve().parent.parent  # the course folder (ringside.launch.ROOT)
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "cases")]
+
+
+def pytest_configure(config):
+    """Some tests fork processes from this one (launch.fork_processes): no OpenMP thread pool to copy,
+    one thread per process where several share the cores, and what DDP (torch._dynamo) and the
+    capstone (matplotlib) import on first use imported once here, not in every forked process.
+    Not in pytest-xdist's controller, which runs no test: its imports would be seconds of CPU for
+    nothing (scripts' ranks fork from the rank starter, which imports them itself)."""
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    import matplotlib.figure  # noqa: F401
+    import torch._dynamo  # noqa: F401
 
 # One 4-rank job takes about 6 s here; anything past this is a hang, not slowness.
 LAUNCH_TIMEOUT = 240

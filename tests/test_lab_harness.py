@@ -117,3 +117,35 @@ def test_pytorch_errors_that_do_not_say_what_to_change_are_explained():
     assert len(verdicts) == len(causes)
     for verdict, cause in zip(verdicts, causes):
         assert verdict.endswith(cause), (verdict, cause)
+
+
+def test_fail_lines_that_differ_in_one_number_are_one_line():
+    from ringside.lab import verdict_lines
+
+    verdicts = [(3, [f"rank {r}: the shard holds {n} rows, expected 4"]) for r, n in enumerate((3, 5, 3))]
+    assert verdict_lines(verdicts + [(2, [])]) == [
+        "ranks 0-2: FAIL - the shard holds 3 rows, expected 4 (likewise on rank 1, with 5 for 3)",
+        "rank 3: PASS (2 checks)"]
+    # two numbers differ, or other words: a line each
+    assert verdict_lines([(1, ["a 1 b 2"]), (1, ["a 2 b 3"]), (1, ["c 1 b 2"])]) == [
+        "rank 0: FAIL - a 1 b 2", "rank 1: FAIL - a 2 b 3", "rank 2: FAIL - c 1 b 2"]
+
+
+def test_under_plain_torchrun_its_failure_report_ends_with_the_verdict(tmp_path, monkeypatch):
+    """REVIEW D: torchrun follows a failing lab with its report of the failed processes, 30 lines and
+    more; rank 0 leaves the verdict in torchrun's error file, so the report's last block shows it.
+    Held to torch's own report (ChildFailedError.format_msg), as torchrun prints it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ringside.lab import tell_torchrun
+
+    lines = ["ranks 0-1: FAIL - unfinished - TODO: pass the token (labs/02_p2p.py:31)",
+             "2 of 2 ranks FAIL: fix the first message above and run again."]
+    error_file = tmp_path / "attempt_0" / "0" / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    tell_torchrun(lines)
+    failures = {0: ProcessFailure(0, 100, 1, str(error_file)),
+                1: ProcessFailure(1, 101, 1, str(tmp_path / "none.json"))}  # rank 1 wrote none
+    report = ChildFailedError("labs/02_p2p.py", failures).format_msg().rstrip("=\n ").splitlines()
+    assert [line.strip() for line in report[-2:]] == lines, report
+    assert "Root Cause" in "\n".join(report[-10:]) and "rank      : 0 " in "\n".join(report[-10:]), report

@@ -45,6 +45,16 @@ def test_hints_stay_out_of_the_lab_and_come_on_request(tmp_path, capsys):
     assert "has no open TODO" in capsys.readouterr().out
 
 
+def test_hint_without_solutions_says_so_in_one_line(tmp_path, capsys):
+    """A lab copied out of the checkout has no solutions/ beside it: one line, not a traceback."""
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / "07_demo.py").write_text(make_lab(SOLUTION, "07_demo.py"))
+    assert show_hint(tmp_path, "07") == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "needs solutions/07_demo.py beside labs/07_demo.py" in out, out
+    assert show_hint(tmp_path, "08") == 2 and "no lab for chapter 08" in capsys.readouterr().out
+
+
 def test_text_outside_blocks_is_kept():
     assert make_lab("a = 1\n" + SOLUTION + "b = 2\n").startswith("a = 1\n")
     assert make_lab("a = 1\n" + SOLUTION + "b = 2\n").endswith("b = 2\n")

@@ -108,9 +108,14 @@ def show_hint(root: Path, chapter: str, level: int | None = None) -> int:
     default the one after the last shown for that TODO (remembered in root/.hints/)."""
     labs = sorted((root / "labs").glob(f"{chapter}_*.py"))
     if not labs:
-        print(f"no lab for chapter {chapter} in labs/")
+        print(f"no lab for chapter {chapter} in {root / 'labs'}: make hint reads the lab in the course folder "
+              f"it runs from")
         return 2
     lab, solution = labs[0], root / "solutions" / labs[0].name
+    if not solution.exists():  # the hints and the diagnosis steps come from the finished twin
+        print(f"make hint needs {solution.relative_to(root)} beside {lab.relative_to(root)} (its hints are "
+              f"there): run it from the course folder, which has both")
+        return 2
     todos = open_todos(lab.read_text())
     if not todos:
         return show_failure_hint(root, chapter, lab, solution, level)
