@@ -248,16 +248,18 @@ class Recorder:
         """The stand-in for one function: record, then call the original (or refuse)."""
         signature = inspect.signature(original)
         refuse = kind in self.refuse
+        outer = getattr(original, "recorded", False)
 
         def call(*args, **kwargs):
-            if self._depth() and not (self.in_batch and kind in P2P):
-                return original(*args, **kwargs)  # torch calling on inside a recorded call
+            if self._depth():  # torch calling on inside a recorded call (a torch-function handler, too)
+                return original(*args, **kwargs)
             noted = self._note(kind, signature, args, kwargs)
             noted["refused"] = refuse
             # on a stand-in GPU: gloo gets the CPU data; a tensor NCCL would refuse is refused once the
             # call has run, so that the ranks whose calls it matches are not left waiting
             bound = signature.bind_partial(*args, **kwargs)
-            arguments, misplaced = for_gloo(kind, bound.arguments)
+            # (an outer Recorder's stand-in, which this one calls on, does that once for both)
+            arguments, misplaced = (bound.arguments, None) if outer else for_gloo(kind, bound.arguments)
             if arguments is not bound.arguments:
                 bound.arguments.update(arguments)
                 args, kwargs = bound.args, bound.kwargs
@@ -278,7 +280,9 @@ class Recorder:
                 self._local.depth -= 1
             if misplaced is not None:
                 noted["refused"] = True
-                raise misplaced
+                if not self.in_batch:
+                    raise misplaced
+                self.misplaced.append(misplaced)  # once the whole batch is posted: none of it is left unmatched
             if not noted["async_op"]:
                 noted.complete("blocking")
                 return result
@@ -291,16 +295,18 @@ class Recorder:
                                  {id(t): t for t in noted["tensors"] + [r() for r in noted["outputs"]]
                                   if t is not None and t._base is None}.values()]
             return Recorded(result, [noted]) if result is not None else result
-        call.__wrapped__ = original
+        call.__wrapped__, call.recorded = original, True
         return call
 
     def _batch(self, original):
         def call(ops):
-            self.in_batch, first = True, len(self.calls)
+            self.in_batch, first, self.misplaced = True, len(self.calls), []
             try:
                 works = original(ops)
             finally:
                 self.in_batch = False
+            if self.misplaced:
+                raise self.misplaced[0]
             # gloo: one request per op, already recorded; NCCL: requests of the whole group
             return [work if isinstance(work, Recorded) else Recorded(work, self.calls[first:]) for work in works]
         return call

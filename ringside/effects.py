@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from .standin import DeviceMismatch, StandInDeviceError, StandInGPU, origin
 
@@ -129,11 +130,23 @@ def rank_gpu(*functions):
     count = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_rank + 1)
     spaces = lab_namespaces(*functions)
     forced = os.environ.pop("RINGSIDE_BACKEND", None)  # a GPU machine's own choice, not a forced gloo
+    joined = dist.init_process_group  # the group exists: joining it again (setup() in lab 01) is noted only
+    gpu_joins = []
+
+    def init_process_group(*args, **kwargs):
+        gpu_joins.append((args, kwargs))
+
+    named = [(space, key) for space in [vars(dist)] + spaces for key, value in space.items() if value is joined]
     try:
+        for space, key in named:
+            space[key] = init_process_group
         with StandInGPU(devices=count, current=local_rank, namespaces=spaces) as gpu, \
                 Recorder(namespaces=spaces) as recorder:
+            gpu.joins = gpu_joins
             yield gpu, recorder
     finally:
+        for space, key in named:
+            space[key] = joined
         if forced is not None:
             os.environ["RINGSIDE_BACKEND"] = forced
 
@@ -160,13 +173,14 @@ def device_diagnosis(function: str, error: BaseException) -> str | None:
     return f"{function}, run as on a GPU machine: {text}{cause}{which}: {FIX}"
 
 
-def misplaced_result(function: str, value, device: torch.device, what: str = "what it returned") -> str | None:
+def misplaced_result(function: str, value, device: torch.device, what: str = "what it returned",
+                     where: str = "where its inputs are") -> str | None:
     """One line when a tensor in `value` (a result of `function` on a stand-in GPU) is not on `device`."""
     for tensor in _tensors(value):
         if tensor.device != device:
             made = origin(tensor)
-            return (f"{function}, run as on a GPU machine: {what} is on the {tensor.device}, not on {device} where "
-                    f"its inputs are" + (f" - it is made by {made}" if made else "") + f": {FIX}")
+            return (f"{function}, run as on a GPU machine: {what} is on the {tensor.device}, not on {device} {where}"
+                    + (f" - it is made by {made}" if made else "") + f": {FIX}")
     return None
 
 
@@ -188,3 +202,12 @@ def not_checkable(function: str, error: BaseException) -> str:
 def _where(error: BaseException) -> str:
     from .lab import _where as where
     return where(error)
+
+
+def passed_on_every_rank(checks) -> bool:
+    """True on every rank when no rank has a failure yet (a collective: every rank must call it).
+    The run on a stand-in GPU comes after the CPU verdict, and only where that passed everywhere: its
+    collectives must be made by every rank, and a diagnosis of the CPU run stays the first one."""
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, not checks.failures)
+    return all(verdicts)
