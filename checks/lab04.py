@@ -19,7 +19,7 @@ from ringside.compare import equal_on_all_ranks, max_diff
 from ringside.data import regression
 from ringside.effects import device_diagnosis, device_problem, misplaced_result, passed_on_every_rank, rank_gpu
 from ringside.lab import explain, ranks_count
-from ringside.standin import DeviceMismatch
+from ringside.standin import DeviceMismatch, origin
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -280,9 +280,10 @@ def watched_exchange(group: dist.ProcessGroup):
                                 f"rank sends one chunk and receives another)")
             if rows[r][3]:
                 what = "dtype" if rows[r][3] == 1 else "device"
+                made = origin(incoming) if kind == rows[r][3] else None  # where this rank made its own
                 raise BadBuffer(f"at step {step} of the {phase}, rank {r} received into a buffer of another {what} "
-                                f"than the chunk it sent: the receive buffer must have the tensor's dtype and "
-                                f"device (torch.empty_like, not torch.empty)")
+                                f"than the chunk it sent" + (f" (made by {made})" if made else "") + ": the receive "
+                                f"buffer must have the tensor's dtype and device (torch.empty_like, not torch.empty)")
             sent, room = rows[(r - 1) % world_size][1], rows[r][2]
             if sent != room:
                 raise BadBuffer(f"at step {step} of the {phase}, rank {r} received into a buffer of {room} "

@@ -52,8 +52,9 @@ Each `Call` is a dict whose keys read as attributes too (`call.op` or `call["op"
     pending       the indices of the calls not completed when this one was posted
     work          the real Work of an async call (the check may wait on it itself, once the learner's
                   code has returned, to drain what it left in flight; that does not mark it completed)
-    refused       True if the call was refused (see `refuse`) or stopped by `on_call`, or (on a stand-in
-                  GPU, ringside.standin) handed a tensor that NCCL would refuse: not on this rank's GPU
+    refused       True if the call was refused (see `refuse`) or stopped by `on_call`
+    misplaced     on a stand-in GPU (ringside.standin): the DeviceMismatch NCCL would raise for a tensor
+                  not on this rank's GPU (the call still runs on gloo; StandInGPU.refused lists them), else None
     snapshot      a copy of what it hands in, taken before it ran (Recorder(snapshot=True) only)
     changed_in_flight  True if the learner's code wrote (in place) into a tensor of an async call
                   after posting it and before it completed: the data sent, or the result, is then
@@ -255,14 +256,15 @@ class Recorder:
                 return original(*args, **kwargs)
             noted = self._note(kind, signature, args, kwargs)
             noted["refused"] = refuse
-            # on a stand-in GPU: gloo gets the CPU data; a tensor NCCL would refuse is refused once the
-            # call has run, so that the ranks whose calls it matches are not left waiting
+            # on a stand-in GPU: gloo gets the CPU data; a tensor NCCL would refuse is noted as refused
+            # (StandInGPU.refused, `misplaced`) but the call runs, so that no rank is left waiting
             bound = signature.bind_partial(*args, **kwargs)
             # (an outer Recorder's stand-in, which this one calls on, does that once for both)
             arguments, misplaced = (bound.arguments, None) if outer else for_gloo(kind, bound.arguments)
             if arguments is not bound.arguments:
                 bound.arguments.update(arguments)
                 args, kwargs = bound.args, bound.kwargs
+            noted["misplaced"] = misplaced
             if refuse:
                 noted.complete("refused")
                 return refused(kind)()
@@ -278,11 +280,6 @@ class Recorder:
                 result = original(*args, **kwargs)
             finally:
                 self._local.depth -= 1
-            if misplaced is not None:
-                noted["refused"] = True
-                if not self.in_batch:
-                    raise misplaced
-                self.misplaced.append(misplaced)  # once the whole batch is posted: none of it is left unmatched
             if not noted["async_op"]:
                 noted.complete("blocking")
                 return result
@@ -300,13 +297,11 @@ class Recorder:
 
     def _batch(self, original):
         def call(ops):
-            self.in_batch, first, self.misplaced = True, len(self.calls), []
+            self.in_batch, first = True, len(self.calls)
             try:
                 works = original(ops)
             finally:
                 self.in_batch = False
-            if self.misplaced:
-                raise self.misplaced[0]
             # gloo: one request per op, already recorded; NCCL: requests of the whole group
             return [work if isinstance(work, Recorded) else Recorded(work, self.calls[first:]) for work in works]
         return call

@@ -29,7 +29,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from .standin import DeviceMismatch, StandInDeviceError, StandInGPU, origin
+from .standin import _ACTIVE, DeviceMismatch, StandInDeviceError, StandInGPU, origin
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -185,12 +185,21 @@ def misplaced_result(function: str, value, device: torch.device, what: str = "wh
 
 
 def device_problem(function: str, call, *args, **kwargs) -> tuple[object, str | None]:
-    """call(*args, **kwargs) inside `rank_gpu`: (its result, None), or (None, the one line of
-    `device_diagnosis`) when a tensor was in the wrong place. Any other error propagates."""
+    """call(*args, **kwargs) inside `rank_gpu`: (its result, None), or (its result or None, the one
+    line of `device_diagnosis`) when a tensor was in the wrong place: two devices met in an op (raised,
+    as CUDA raises it), or a collective or send/recv was handed a tensor NCCL refuses (noted while the
+    call ran on gloo: the first one is named). Any other error propagates, unless a refusal came first."""
+    refused = _ACTIVE[-1].refused
+    before = len(refused)
     try:
-        return call(*args, **kwargs), None
+        result = call(*args, **kwargs)
     except (DeviceMismatch, StandInDeviceError) as error:
-        return None, device_diagnosis(function, error)
+        return None, device_diagnosis(function, refused[before] if len(refused) > before else error)
+    except Exception:
+        if len(refused) > before:  # the consequence of a tensor NCCL would not have taken
+            return None, device_diagnosis(function, refused[before])
+        raise
+    return result, (device_diagnosis(function, refused[before]) if len(refused) > before else None)
 
 
 def not_checkable(function: str, error: BaseException) -> str:

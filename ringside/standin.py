@@ -11,8 +11,9 @@ crashes there. Inside `StandInGPU(devices=N, current=k)` this machine behaves as
 - every op keeps the device (autograd, `nn.functional`, optimizers included); `.cpu()` copies back;
 - a stand-in tensor meeting a CPU tensor (other than a 0-d scalar) raises what CUDA raises:
   "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!";
-- collectives (through `ringside.calls.Recorder`, which runs them on the CPU data) refuse, as NCCL
-  does, a tensor that is not on this rank's GPU;
+- a collective or send/recv (through `ringside.calls.Recorder`, which runs it on the CPU data) handed a
+  tensor that is not on this rank's GPU is noted in `refused`, as NCCL would refuse it (it still runs,
+  so that no other rank is left waiting);
 - each stand-in GPU has a generator of its own (a CPU `torch.Generator`, so its state can be saved,
   compared and drawn from): `torch.randn(3, device="cuda")` and in-place random ops on stand-in
   tensors draw from it, and every path to a GPU generator reaches it (`torch.manual_seed`,
@@ -387,6 +388,7 @@ class StandInGPU:
         self.namespaces = list(namespaces)
         self.saved: list[tuple[object, str, object]] = []
         self.mode = _Factories()
+        self.refused: list[DeviceMismatch] = []  # what NCCL would have refused, in order (see for_gloo)
 
     # --- the stand-in's state ------------------------------------------------------------------------
 
@@ -581,7 +583,9 @@ def for_gloo(op: str, arguments: dict) -> tuple[dict, DeviceMismatch | None]:
     """The arguments of a collective or send/recv (name -> value), as gloo takes them: each stand-in
     tensor's CPU data (gloo writes into it, so the stand-in tensor sees the result). With the refusal
     NCCL would make of a tensor not on this rank's GPU (None if there is none, or no stand-in, or when
-    the innermost of the lab's and the check's code calling is a check's)."""
+    the innermost of the lab's and the check's code calling is a check's), also added to the stand-in's
+    `refused`. It is not raised: the call runs on gloo, so that the ranks whose calls it matches are not
+    left waiting (a check reads `refused` once the function returned: effects.device_problem)."""
     if not _ACTIVE:
         return arguments, None
     gpu, refusals = _ACTIVE[-1], []
@@ -606,6 +610,7 @@ def for_gloo(op: str, arguments: dict) -> tuple[dict, DeviceMismatch | None]:
         inside = [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
         if inside:  # a new list of the CPU data where there are tensors: gloo writes into that data
             unwrapped[name] = tree_map(unwrap(name), value)
+    gpu.refused += refusals
     return unwrapped, (refusals[0] if refusals else None)
 __all__ = ["StandInGPU", "StandInDeviceError", "StandInTensor", "StandInDDP", "DeviceMismatch", "held", "on_stand_in",
            "origin", "for_gloo"]
