@@ -52,7 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 # The torch.cuda functions that reach a GPU's generator (torch.random calls them through torch.cuda)
 RANDOM = ("manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
           "get_rng_state_all", "set_rng_state", "set_rng_state_all")
-DEVICE = ("is_available", "device_count", "current_device", "set_device", "synchronize")
+DEVICE = ("is_available", "device_count", "current_device", "set_device", "synchronize", "is_current_stream_capturing")
 
 # Ops that draw random numbers: on a stand-in tensor they draw from its GPU's generator
 SEEDED = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
@@ -483,7 +483,8 @@ class StandInGPU:
                 "get_rng_state_all": get_rng_state_all, "set_rng_state": set_rng_state,
                 "set_rng_state_all": set_rng_state_all, "is_available": lambda: True,
                 "device_count": lambda: self.count, "current_device": lambda: self.current,
-                "set_device": set_device, "synchronize": lambda device=None: None}
+                "set_device": set_device, "synchronize": lambda device=None: None,
+                "is_current_stream_capturing": lambda: False}  # optimizers ask (torch 2.11)
 
     def _replace(self, owner, name: str, value) -> None:
         self.saved.append((owner, name, getattr(owner, name) if not isinstance(owner, dict) else owner[name]))

@@ -243,8 +243,8 @@ def test_a_diagnosis_names_the_function_the_tensor_and_where_it_was_made(tmp_pat
     spec.loader.exec_module(module)
     with StandInGPU(devices=1) as gpu:
         assert device_problem("scaled", module.scaled, torch.ones(2, device=gpu.device))[1] \
-            == ("scaled, run as on a GPU machine: Expected all tensors to be on the same device, but found at least two "
-                "devices, cuda:0 and cpu! - that tensor is made by `scale = torch.ones(x.shape)` "
+            == ("scaled, run as on a GPU machine: Expected all tensors to be on the same device, but found at least "
+                "two devices, cuda:0 and cpu! - that tensor is made by `scale = torch.ones(x.shape)` "
                 "(solutions/99_lab.py:5) on the cpu: make it where the tensors it works with are (device=x.device, "
                 "torch.empty_like(x), or the `device` argument), or move it there with .to(x.device)")
         assert device_problem("scaled", module.scaled, torch.ones(2))[1] is None
@@ -270,5 +270,6 @@ def _batches_objects_and_nesting(rank, world_size):
 def test_a_batch_runs_whole_and_its_misplaced_receive_is_noted():
     for rank, (landing, refused, names, summed, inner) in enumerate(run_ranks(_batches_objects_and_nesting, 2,
                                                                                timeout=60)):
-        assert landing == [float(1 - rank)] * 2 and refused == ["dist.irecv got `tensor` on cpu, not on this rank's GPU cuda"]
+        assert landing == [float(1 - rank)] * 2
+        assert refused == ["dist.irecv got `tensor` on cpu, not on this rank's GPU cuda"]
         assert names == ["cuda", "cuda"] and summed == [1.0, 1.0] and inner == 1
