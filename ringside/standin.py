@@ -27,10 +27,12 @@ crashes there. Inside `StandInGPU(devices=N, current=k)` this machine behaves as
 
 `DeviceMismatch` is the error of a tensor in the wrong place; `origin(tensor)` says where the
 learner's code made a CPU tensor (file:line and its text), so a diagnosis can name it, and
-`device_diagnosis(function, error)` turns the error into one line. What is not stood in: CUDA
-streams and events, `torch.Generator(device="cuda")`, pinned memory, DDP's C++ reducer (a check
-stands in DDP itself), a custom `autograd.Function` (its graph is not recorded through a stand-in
-tensor). Such code raises, and `StandInGPU.unjudgeable(error)` says that nothing can be concluded.
+`effects.device_diagnosis(function, error)` turns the error into one line. DDP is stood in by
+`StandInDDP` (DDP's own refusals of devices, the inputs moved to device_ids[0], no averaging: its C++
+reducer cannot take stand-in tensors); a custom `autograd.Function` records its graph on the CPU data
+while its forward and backward see stand-in tensors. What is not stood in: CUDA streams and events,
+`torch.Generator(device="cuda")`, pinned memory, C++ code handed a stand-in tensor directly. Such code
+raises, and `StandInGPU.unjudgeable(error)` says that nothing can be concluded.
 """
 
 from __future__ import annotations
@@ -317,6 +319,81 @@ def _call(func, args, kwargs):
     return tree_map(wrap, result)
 
 
+class _Context:
+    """The `ctx` a custom autograd.Function sees on a stand-in GPU: the real one, through which the
+    tensors it saves are kept as their CPU data (what autograd holds) and come back on their device."""
+
+    def __init__(self, real):
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._real, name, value)
+
+    def save_for_backward(self, *tensors):
+        self._real.stand_in_devices = [_device_of(t) for t in tensors]
+        self._real.save_for_backward(*held(tensors))
+
+    @property
+    def saved_tensors(self):
+        return tuple(_placed(t, d) for t, d in zip(self._real.saved_tensors, self._real.stand_in_devices))
+
+    def mark_dirty(self, *tensors):
+        self._real.mark_dirty(*held(tensors))
+
+    def mark_non_differentiable(self, *tensors):
+        self._real.mark_non_differentiable(*held(tensors))
+
+
+def _device_of(value):
+    return value.device if isinstance(value, StandInTensor) else None
+
+
+def _placed(tensor, device):
+    return StandInTensor(tensor, device) if device is not None and isinstance(tensor, torch.Tensor) else tensor
+
+
+def _function_apply(real_apply):
+    """autograd.Function.apply on stand-in tensors: autograd records the Function on their CPU data
+    (a graph through a stand-in tensor itself cannot be recorded on a CPU), while its forward and
+    backward see stand-in tensors, and its outputs are placed where its forward made them."""
+    def apply(cls, *args):
+        if not any(isinstance(t, StandInTensor) for t in tree_leaves(args)):
+            return real_apply(cls, *args)
+        made = []  # the device of each output, in order (None: a CPU tensor or no tensor)
+
+        def record(output):
+            made[:] = [_device_of(t) for t in tree_leaves(output)]
+            return held(output)
+
+        def placed(output):
+            devices = iter(made)
+            return tree_map(lambda t: _placed(t, next(devices, None)), output)
+
+        class OnStandIn(cls):
+            if cls.setup_context is torch.autograd.Function.setup_context:
+                @staticmethod
+                def forward(ctx, *_):
+                    return record(cls.forward(_Context(ctx), *args))
+            else:
+                @staticmethod
+                def forward(*_):
+                    return record(cls.forward(*args))
+
+                @staticmethod
+                def setup_context(ctx, inputs, output):
+                    return cls.setup_context(_Context(ctx), args, placed(output))
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return held(cls.backward(_Context(ctx), *[_placed(g, d) for g, d in zip(grads, made)]))
+
+        return placed(real_apply(OnStandIn, *held(args)))
+    return apply
+
+
 class _Factories(TorchFunctionMode):
     """Every torch function called while a stand-in is active: `device="cuda:k"` makes a stand-in
     tensor, `x.to("cuda")` moves one there, and CPU tensors the learner's code makes are noted."""
@@ -535,6 +612,10 @@ class StandInGPU:
             if accelerator is not None and hasattr(accelerator, name):
                 self._replace(accelerator, name, value)
         self._replace(torch.cuda, "current_stream", lambda device=None: _Stream())
+        function = torch.autograd.Function  # apply: a descriptor of its own (C or Python), put back as it was
+        descriptor = function.__dict__["apply"]
+        self.saved.append((function, "apply", descriptor))
+        function.apply = classmethod(_function_apply(lambda cls, *args: descriptor.__get__(None, cls)(*args)))
         real_to = nn.Module.to
         self._replace(nn.Module, "to", self._module_to(real_to))
         self._replace(nn.Module, "cuda", lambda module, device=None: module.to(

@@ -273,3 +273,42 @@ def test_a_batch_runs_whole_and_its_misplaced_receive_is_noted():
         assert landing == [float(1 - rank)] * 2
         assert refused == ["dist.irecv got `tensor` on cpu, not on this rank's GPU cuda"]
         assert names == ["cuda", "cuda"] and summed == [1.0, 1.0] and inner == 1
+
+
+class _Scale(torch.autograd.Function):  # a custom Function, as labs 07 and 16 write them
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.save_for_backward(x, torch.tensor(2.0))
+        ctx.k = k
+        return x * k
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, two = ctx.saved_tensors  # each back where it was: x on the GPU, `two` on the CPU
+        return grad * ctx.k * two / 2 + 0 * x, None
+
+
+class _Square(torch.autograd.Function):  # the setup_context form
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        assert x.device.type == "cuda"
+        return 2 * x * grad
+
+
+def test_a_custom_autograd_function_runs_on_the_gpu_with_its_gradient():
+    with StandInGPU(devices=1):
+        w = torch.ones(3, device="cuda", requires_grad=True)
+        y = _Scale.apply(w, 3.0)
+        assert y.device == w.device and y.requires_grad
+        _Square.apply(y).sum().backward()
+        assert w.grad.device == w.device and w.grad.tolist() == [18.0] * 3
+    assert _Scale.apply(torch.ones(2), 2.0).tolist() == [2.0, 2.0]  # and as before outside it
