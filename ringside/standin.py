@@ -265,8 +265,8 @@ def _call(func, args, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     special = SPECIAL.get(func)
-    if special is not None and isinstance(args[0], StandInTensor) or func in (torch.Tensor.to, torch.Tensor.cuda):
-        return special(*args, **kwargs)
+    if special is not None and (isinstance(args[0], StandInTensor) or func in (torch.Tensor.to, torch.Tensor.cuda)):
+        return special(*args, **kwargs)  # (a CPU tensor's .to("cuda") and .cuda() too)
     target = kwargs.get("device")
     found: list[torch.Tensor] = []
 
