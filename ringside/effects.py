@@ -14,13 +14,22 @@ observes those, so that each check keeps only what is specific to its lab.
     never_waited(recorder.calls)                # the recorded requests the learner's code never completed
     changed_in_flight(recorder.calls)           # the requests whose tensors it changed before they completed
     storage_excess(shard)                       # (held, own) bytes when its storage is larger than itself
+
+    with rank_gpu(lab.fn) as (gpu, recorder):   # the device effect: tensors on this rank's stand-in GPU
+        result, problem = device_problem("fn", lab.fn, torch.ones(4, device=gpu.device))
+        problem = problem or misplaced_result("fn", result, gpu.device)   # one line naming the tensor, or None
 """
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
+
+from .standin import _ACTIVE, DeviceMismatch, StandInDeviceError, StandInGPU, origin
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -99,3 +108,115 @@ def storage_excess(tensor: torch.Tensor) -> tuple[int, int] | None:
     larger tensor keeps all of it alive - else None."""
     held, own = tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size()
     return (held, own) if held > own else None
+
+
+# --- device: the function run again as on a GPU machine -------------------------------------------
+
+@contextmanager
+def rank_gpu(*functions):
+    """Inside, this machine is a GPU machine as `make lab` would find it (ringside.standin): the node
+    has LOCAL_WORLD_SIZE stand-in GPUs, this rank's is cuda:LOCAL_RANK, pick_backend() answers
+    ("nccl", "cuda"), and every collective and send/recv is recorded and refused, as NCCL refuses it,
+    when handed a tensor that is not on this rank's GPU. `functions`: the learner's, whose modules'
+    own names for torch.cuda and torch.distributed functions are reached too. Yields (gpu, recorder).
+
+        with rank_gpu(lab.ring_all_reduce) as (gpu, recorder):
+            x = torch.arange(8.0, device=gpu.device)
+            problem = device_problem("ring_all_reduce", lab.ring_all_reduce, x)
+    """
+    from .calls import Recorder, lab_namespaces
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    count = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_rank + 1)
+    spaces = lab_namespaces(*functions)
+    forced = os.environ.pop("RINGSIDE_BACKEND", None)  # a GPU machine's own choice, not a forced gloo
+    joined = dist.init_process_group  # the group exists: joining it again (setup() in lab 01) is noted only
+    gpu_joins = []
+
+    def init_process_group(*args, **kwargs):
+        gpu_joins.append((args, kwargs))
+
+    named = [(space, key) for space in [vars(dist)] + spaces for key, value in space.items() if value is joined]
+    try:
+        for space, key in named:
+            space[key] = init_process_group
+        with StandInGPU(devices=count, current=local_rank, namespaces=spaces) as gpu, \
+                Recorder(namespaces=spaces) as recorder:
+            gpu.joins = gpu_joins
+            yield gpu, recorder
+    finally:
+        for space, key in named:
+            space[key] = joined
+        if forced is not None:
+            os.environ["RINGSIDE_BACKEND"] = forced
+
+
+FIX = ("make it where the tensors it works with are (device=x.device, torch.empty_like(x), or the `device` "
+       "argument), or move it there with .to(x.device)")
+
+
+def device_diagnosis(function: str, error: BaseException) -> str | None:
+    """One line for a tensor found in the wrong place while `function` ran on a stand-in GPU: which
+    function, which tensor (where the learner's code made it, when known), and the fix. None when
+    `error` is no such mistake."""
+    if isinstance(error, StandInDeviceError):
+        return f"{function}, run as on a GPU machine: {error} - use this rank's GPU, cuda:LOCAL_RANK"
+    if not isinstance(error, DeviceMismatch):
+        return None
+    made = origin(error.tensor)
+    text = str(error).split(": NCCL")[0]
+    cause = " (NCCL refuses it)" if "NCCL" in str(error) else ""
+    if made:
+        which = f" - that tensor is made by {made} on the {error.tensor.device}"
+    else:
+        which = f" ({_where(error)})"
+    return f"{function}, run as on a GPU machine: {text}{cause}{which}: {FIX}"
+
+
+def misplaced_result(function: str, value, device: torch.device, what: str = "what it returned",
+                     where: str = "where its inputs are") -> str | None:
+    """One line when a tensor in `value` (a result of `function` on a stand-in GPU) is not on `device`."""
+    for tensor in _tensors(value):
+        if tensor.device != device:
+            made = origin(tensor)
+            return (f"{function}, run as on a GPU machine: {what} is on the {tensor.device}, not on {device} {where}"
+                    + (f" - it is made by {made}" if made else "") + f": {FIX}")
+    return None
+
+
+def device_problem(function: str, call, *args, **kwargs) -> tuple[object, str | None]:
+    """call(*args, **kwargs) inside `rank_gpu`: (its result, None), or (its result or None, the one
+    line of `device_diagnosis`) when a tensor was in the wrong place: two devices met in an op (raised,
+    as CUDA raises it), or a collective or send/recv was handed a tensor NCCL refuses (noted while the
+    call ran on gloo: the first one is named). Any other error propagates, unless a refusal came first."""
+    refused = _ACTIVE[-1].refused
+    before = len(refused)
+    try:
+        result = call(*args, **kwargs)
+    except (DeviceMismatch, StandInDeviceError) as error:
+        return None, device_diagnosis(function, refused[before] if len(refused) > before else error)
+    except Exception:
+        if len(refused) > before:  # the consequence of a tensor NCCL would not have taken
+            return None, device_diagnosis(function, refused[before])
+        raise
+    return result, (device_diagnosis(function, refused[before]) if len(refused) > before else None)
+
+
+def not_checkable(function: str, error: BaseException) -> str:
+    """The line a check prints where `function` cannot run on a stand-in GPU (StandInGPU.unjudgeable)."""
+    return (f"device of {function}'s tensors: not checkable here ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:120]})")
+
+
+def _where(error: BaseException) -> str:
+    from .lab import _where as where
+    return where(error)
+
+
+def passed_on_every_rank(checks) -> bool:
+    """True on every rank when no rank has a failure yet (a collective: every rank must call it).
+    The run on a stand-in GPU comes after the CPU verdict, and only where that passed everywhere: its
+    collectives must be made by every rank, and a diagnosis of the CPU run stays the first one."""
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, not checks.failures)
+    return all(verdicts)

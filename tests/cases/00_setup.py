@@ -75,3 +75,9 @@ CORRECT = [
             "rank, world_size = dist.get_rank(), dist.get_world_size()\n    local_rank",
             'rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])\n    local_rank', 3),
 ]
+
+# Right on gloo, wrong on a GPU machine: seen when the check runs it again on a stand-in GPU
+MUTATIONS += [
+    Mutation("the tensor made without device=", "    mine = torch.tensor([value], device=device)\n",
+             "    mine = torch.tensor([value])\n", "is made by `mine = torch.tensor([value])`", 2),
+]

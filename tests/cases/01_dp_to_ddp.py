@@ -139,3 +139,14 @@ CORRECT = [
     Variant("set_epoch(epoch + 1) at the end of each epoch", EPOCH_SPAN,
             EPOCH_SPAN.replace(SET_EPOCH, "        pass\n") + "        loader.sampler.set_epoch(epoch + 1)\n", 2),
 ]
+
+# Right on gloo, wrong on a GPU machine: seen when the check runs it again on a stand-in GPU
+MUTATIONS += [
+    Mutation("the model never moved to the device", "    model = model.to(device)\n", "",
+             "DDP refused the model", 2),
+    Mutation("the labels left on the CPU", "            x, y = x.to(device), y.to(device)\n",
+             "            x = x.to(device)\n", "found at least two devices", 2),
+    Mutation("setup returns the CPU whatever the backend",
+             '    return device_for(device_type, int(os.environ["LOCAL_RANK"]))\n',
+             '    return torch.device("cpu")\n', "returned cpu, not this rank's GPU", 2),
+]

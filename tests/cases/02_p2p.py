@@ -133,3 +133,10 @@ MUTATIONS += [
              HALO_POSTS.replace("local[-width:]", "local[-2:]").replace("local[:width]", "local[:2]"),
              "sends 2 elements: a halo holds `width` of them", 2),
 ]
+
+# Right on gloo, wrong on a GPU machine: seen when the check runs it again on a stand-in GPU
+MUTATIONS += [
+    Mutation("the token made without device=", "    token = torch.ones(1, dtype=torch.int64, device=device)\n",
+             "    token = torch.ones(1, dtype=torch.int64)\n",
+             "is made by `token = torch.ones(1, dtype=torch.int64)`", 2),
+]

@@ -127,3 +127,10 @@ CORRECT = [
             "dist.irecv(tensor_list[recv_slot], src=left)]\n"
             "        for request in requests:\n            request.wait()\n", 2),
 ]
+
+# Right on gloo, wrong on a GPU machine: seen when the check runs it again on a stand-in GPU
+MUTATIONS += [
+    # only the root sends (a CPU copy): the other ranks must not be left waiting for a verdict
+    Mutation("the root sends a CPU copy", "                dist.send(tensor, dst=peer)\n",
+             "                dist.send(tensor.cpu(), dst=peer)\n", "is made by `dist.send(tensor.cpu(), dst=peer)`", 3),
+]

@@ -164,3 +164,13 @@ CORRECT = [
             "                                       dist.P2POp(dist.irecv, incoming, left)])\n"
             "    for request in reversed(requests):\n        request.wait()\n", 3),
 ]
+
+# Right on gloo, wrong on a GPU machine: seen when the check runs it again on a stand-in GPU
+MUTATIONS += [
+    Mutation("the landing buffer on the CPU",
+             "    landing = torch.empty_like(chunks[0])  # room for the largest chunk, allocated once\n",
+             "    landing = torch.empty(chunks[0].numel(), dtype=tensor.dtype)\n",
+             "a buffer of another device than the chunk it sent (made by `landing = torch.empty(", 3),
+    Mutation("the flat gradients made on the CPU", "    flat = torch.cat([g.reshape(-1) for g in grads])\n",
+             "    flat = torch.cat([g.reshape(-1).cpu() for g in grads])\n", "average_gradients (in train), run as on a GPU", 2),
+]

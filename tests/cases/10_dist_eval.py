@@ -143,3 +143,10 @@ if torch.cuda.is_available():  # on a CPU every tensor is on the data's device: 
     MUTATIONS.append(Mutation("sums made on the CPU (no device=)",
                               "sums = torch.zeros(3, dtype=torch.float64, device=device)",
                               "sums = torch.zeros(3, dtype=torch.float64)", "local_sums returned its sums on cpu", 2))
+
+# Right on gloo, wrong on a GPU machine: seen when the check runs it again on a stand-in GPU
+MUTATIONS += [
+    Mutation("the sums made without device=", "    sums = torch.zeros(3, dtype=torch.float64, device=device)\n",
+             "    sums = torch.zeros(3, dtype=torch.float64)\n",
+             "is made by `sums = torch.zeros(3, dtype=torch.float64)`", 2),
+]
