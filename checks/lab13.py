@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
+from ringside.effects import Contract, ignored, watch
 from ringside.compare import all_gather_tensor, flat_grads, flat_params, max_diff
 from ringside.lab import ranks_count
 
@@ -28,6 +29,12 @@ lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
 
 # --- The check ------------------------------------------------------------------------------------
+
+# What each function promises besides its values (ringside.effects checks it on every watched call).
+AVERAGE = Contract("average_grad_shard", like="flat_grad")
+ADAM = Contract("adam_update", changes=("param", "exp_avg", "exp_avg_sq"),
+                honours={"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-3})
+GATHER = Contract("gather_params", changes=("params",))
 
 @contextmanager
 def counting_collectives():
@@ -133,8 +140,10 @@ def check_average(checks: Checks, me: Rank) -> bool:
     n = -(-37 // me.world_size) * me.world_size
     torch.manual_seed(lab.SEED)
     everyones = torch.randn(me.world_size, n)  # rank r's gradient is row r: the check knows them all
-    with counting_collectives() as calls:
-        shard = lab.average_grad_shard(everyones[me.rank].to(me.device)).cpu()
+    seen = watch(AVERAGE, lab.average_grad_shard, everyones[me.rank].to(me.device), namespaces=lab_namespaces(lab))
+    if seen.problem:  # a request never waited for, the caller's gradient changed: named before any value
+        return checks.expect(False, seen.problem)
+    shard, calls = seen.result.cpu(), [(c.op, c.whole_bytes) for c in seen.calls]
     size = n // me.world_size
     expected = everyones.mean(dim=0)[me.rank * size:(me.rank + 1) * size]
     names = [name for name, _ in calls]
@@ -173,38 +182,61 @@ def check_average(checks: Checks, me: Rank) -> bool:
 
 
 def check_adam(checks: Checks, me: Rank) -> bool:
-    """Your adam_update against torch.optim.Adam on one tensor, for three steps: the moments first,
-    then the weights."""
+    """Your adam_update against torch.optim.Adam on one tensor, for three steps, at the lab's
+    hyper-parameters and at others (an argument read from a constant instead shows there)."""
+    wrong = adam_mistake(me, lab.LR, lab.BETAS, lab.EPS)
+    other = ADAM.honours
+    if wrong is None and adam_mistake(me, other["lr"], other["betas"], other["eps"]):
+        start, grad = torch.randn(50, generator=torch.Generator().manual_seed(3)), torch.full((50,), 1e-4)
+
+        def moved(a: dict) -> torch.Tensor:
+            lab.adam_update(*a.values())
+            return a["param"]
+        names = ignored(moved, dict(param=start.to(me.device), grad=grad.to(me.device), exp_avg=torch.zeros_like(start),
+                                    exp_avg_sq=torch.zeros_like(start), t=1, lr=lab.LR, betas=lab.BETAS, eps=lab.EPS),
+                        other)
+        wrong = (f"adam_update ignores its argument(s) {', '.join(names)}: called with "
+                 f"{', '.join(f'{k}={other[k]}' for k in names)} it moves param exactly as with the lab's "
+                 f"{', '.join(f'{k}={v}' for k, v in zip(('lr', 'betas', 'eps'), (lab.LR, lab.BETAS, lab.EPS)) if k in names)}"
+                 f" - use the values it is given (ShardedAdam may have others)" if names else
+                 f"adam_update is torch.optim.Adam's at lr={lab.LR}, betas={lab.BETAS}, eps={lab.EPS}, but differs "
+                 f"from it at lr={other['lr']}, betas={other['betas']}, eps={other['eps']}")
+    return checks.expect(wrong is None, wrong or "")
+
+
+def adam_mistake(me: Rank, lr: float, betas: tuple[float, float], eps: float) -> str | None:
     torch.manual_seed(lab.SEED + 1)
     # Gradients from 1e-6 to 1 in size: where grad**2 is as small as eps, eps's place in the formula shows.
     scale = 10.0 ** torch.linspace(-6, 0, 50)
     start, grads = torch.randn(50), [torch.randn(50) * scale for _ in range(3)]
     reference = nn.Parameter(start.clone())
-    adam = torch.optim.Adam([reference], lr=lab.LR, betas=lab.BETAS, eps=lab.EPS)
+    adam = torch.optim.Adam([reference], lr=lr, betas=betas, eps=eps)
     param = start.clone().to(me.device)
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     for t, grad in enumerate(grads, start=1):
         reference.grad = grad.clone()
         adam.step()
         before = param.cpu().clone()  # .cpu() of a CPU tensor is that tensor, which adam_update moves
-        lab.adam_update(param, grad.to(me.device), exp_avg, exp_avg_sq, t, lab.LR, lab.BETAS, lab.EPS)
+        seen = watch(ADAM, lab.adam_update, param, grad.to(me.device), exp_avg, exp_avg_sq, t, lr, betas, eps)
+        if seen.problem:
+            return seen.problem
         if torch.isnan(param).any():
-            return checks.expect(False, f"adam_update made NaN at step {t}: is the bias correction 1 - beta**t "
-                                        f"with t >= 1 (1 - beta**0 = 0)?")
+            return (f"adam_update made NaN at step {t}: is the bias correction 1 - beta**t "
+                    f"with t >= 1 (1 - beta**0 = 0)?")
         state = adam.state[reference]
-        wrong = moments_mistake(exp_avg.cpu(), exp_avg_sq.cpu(), state, scale, t)
+        wrong = moments_mistake(exp_avg.cpu(), exp_avg_sq.cpu(), state, scale, t, betas)
         if wrong:
-            return checks.expect(False, wrong)
+            return wrong
         # Tolerance: the same formula in float32, perhaps in another order: about 1e-7 relative on
         # weights of about 1; a wrong formula moves them by about LR = 1e-2.
         gap = max_diff(param.cpu(), reference.detach())
         if gap > 1e-6:
-            return checks.expect(False, f"adam_update differs from torch.optim.Adam by {gap:.2e} after step {t} "
-                                        f"(tolerance 1e-6): {update_mistake(before, param.cpu(), state, t)}")
-    return checks.expect(True, "")
+            return (f"adam_update differs from torch.optim.Adam by {gap:.2e} after step {t} (tolerance 1e-6): "
+                    f"{update_mistake(before, param.cpu(), state, t, lr, betas, eps)}")
+    return None
 
 
-def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
+def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int, betas) -> str | None:
     """What is wrong with the moments after step t, or None when they are torch.optim.Adam's."""
     # Tolerance: 1e-5 relative to the element's own size and its gradient's (float32 rounding is
     # about 1e-7 of the terms added, even where they nearly cancel).
@@ -215,7 +247,7 @@ def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
     if untouched:
         return (f"after adam_update {' and '.join(untouched)} still hold zeros: `exp_avg = ...` makes a new tensor "
                 f"the optimizer never sees - update the moments in place (exp_avg.lerp_, exp_avg_sq.mul_().addcmul_)")
-    beta1, beta2 = lab.BETAS
+    beta1, beta2 = betas
 
     def why(mine, theirs, beta, other, size, name) -> str:
         # Each known mistake scales Adam's moment by a factor that step 1 (from zeros) shows alone.
@@ -237,21 +269,21 @@ def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
     return None
 
 
-def update_mistake(before, after, state, t: int) -> str:
+def update_mistake(before, after, state, t: int, lr, betas, eps) -> str:
     """Which known wrong update of the weights turns `before` into `after`, from the right moments."""
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    correction1, correction2 = 1 - lab.BETAS[0] ** t, (1 - lab.BETAS[1] ** t) ** 0.5
+    correction1, correction2 = 1 - betas[0] ** t, (1 - betas[1] ** t) ** 0.5
     known = (
         ("adam_update did not move param: `param = ...` rebinds the name only - move it in place "
          "(param.addcdiv_ or param.sub_)", before),
         ("the bias correction is missing: divide the step by 1 - beta1**t and sqrt(v) by sqrt(1 - beta2**t)",
-         before - lab.LR * m / (v.sqrt() + lab.EPS)),
+         before - lr * m / (v.sqrt() + eps)),
         ("the step goes uphill: subtract the update from param (value=-step_size), do not add it",
-         before + lab.LR / correction1 * m / (v.sqrt() / correction2 + lab.EPS)),
+         before + lr / correction1 * m / (v.sqrt() / correction2 + eps)),
         ("eps belongs outside the square root: sqrt(v / (1 - beta2**t)) + eps",
-         before - lab.LR / correction1 * m / (v / correction2 ** 2 + lab.EPS).sqrt()),
+         before - lr / correction1 * m / (v / correction2 ** 2 + eps).sqrt()),
         ("add eps after the bias correction: sqrt(v) / sqrt(1 - beta2**t) + eps, not (sqrt(v) + eps) / sqrt(...)",
-         before - lab.LR / correction1 * m / ((v.sqrt() + lab.EPS) / correction2)),
+         before - lr / correction1 * m / ((v.sqrt() + eps) / correction2)),
     )
     for why, then in known:
         if max_diff(after, then) <= 1e-6:
@@ -280,6 +312,13 @@ def check_gather(checks: Checks, me: Rank) -> bool:
                     if "size" in text or "shape" in text else "")
             return checks.expect(False, f"gather_params raised RuntimeError: {text}{hint}")
     got = flat_params(nn.ParameterList(params))
+    if not any(name.startswith("all_gather") for name, _ in calls) and torch.equal(got, expected):
+        sent, gather = ring_bytes_sent(calls, me.world_size), ring_bytes_sent([("all_gather", size * me.world_size * 4)],
+                                                                              me.world_size)
+        return checks.expect(sent <= gather, f"gather_params gives every rank every shard, but with {[n for n, _ in calls]}: "
+                                             f"{sent:.0f} bytes sent per rank on a ring where one all-gather of the "
+                                             f"shards sends {gather:.0f} ({sent / gather:.2g}x) - all-gather the "
+                                             f"updated shards (dist.all_gather_into_tensor)")
     if not any(name.startswith("all_gather") for name, _ in calls):
         return checks.expect(False, f"gather_params made no all-gather (calls seen: {[n for n, _ in calls] or 'none'}): "
                                     f"each rank updated only its own shard, the others stay stale - all-gather "

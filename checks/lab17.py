@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import Inputs, never_waited, unwaited_diagnosis
+from ringside.effects import Contract, Inputs, never_waited, unwaited_diagnosis, watch
 from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -51,15 +51,9 @@ def settle(checks: Checks, wrong: str | None) -> bool:
     return False
 
 
-def recorded(fn, *args):
-    """fn(*args) with its communication recorded; what it left in flight is waited for afterwards (by the
-    check: the learner's code is still told it never waited), so the ranks stay in step."""
-    with Recorder(namespaces=lab_namespaces(lab), snapshot=True) as recorder:
-        result = fn(*args)
-    for call in never_waited(recorder.calls):
-        if call.work is not None:
-            call.work.wait()
-    return result, recorder.calls
+# What each function promises besides its values (ringside.effects checks it on every watched call).
+AVERAGE = Contract("average_pseudo_gradient", like="params")
+SYNC = Contract("sync()")
 
 
 def traffic_mistake(name: str, calls, params) -> str | None:
@@ -94,13 +88,10 @@ def check_average(checks: Checks, me: Rank) -> bool:
         anchor = odd_tensors(1, dtype)
         everyones = [[a - m for a, m in zip(anchor, odd_tensors(10 + r, dtype, 0.1))] for r in range(me.world_size)]
         params = [nn.Parameter(t.clone()) for t in everyones[me.rank]]
-        inputs = Inputs(anchor=anchor, params=params)
-        got, calls = recorded(lab.average_pseudo_gradient, anchor, params)
+        seen = watch(AVERAGE, lab.average_pseudo_gradient, anchor, params, namespaces=lab_namespaces(lab))
+        got = seen.result
         want = [torch.stack([a - ps[i] for ps in everyones]).mean(0) for i, a in enumerate(anchor)]
-        wrong = traffic_mistake("average_pseudo_gradient", calls, params)
-        if wrong is None and inputs.changed():
-            wrong = (f"average_pseudo_gradient changed its {inputs.changed()[0]}: the anchor and the parameters are "
-                     f"the caller's - compute the difference into a new tensor, then all-reduce that")
+        wrong = traffic_mistake("average_pseudo_gradient", seen.calls, params) or seen.problem
         if wrong is None:
             shapes = [(tuple(g.shape), g.dtype) for g in got]
             if shapes != [(tuple(w.shape), w.dtype) for w in want]:
@@ -151,7 +142,11 @@ MISTAKES = {  # name -> how the outer step differs (the replay below), and what 
     "sign": "the anchor moved away from where the ranks went: the pseudo-gradient's sign is flipped "
             "(it is anchor - params, and the step subtracts it)",
     "sum": "the outer step used the SUM of the pseudo-gradients, not their average: summed but not divided",
-    "heavy_ball": "momentum without nesterov: SGD(nesterov=True) steps by g + momentum * buf, not by buf alone",
+    "heavy_ball": "the step is the updated buffer itself (momentum * old buf + g): plain momentum without Nesterov's "
+                  "look-ahead - or g + momentum * buf with buf read BEFORE this sync updated it, which is the same "
+                  "number; Nesterov steps by g + momentum * (the buffer after this sync's update)",
+    "momentum_sign": "the momentum term has the wrong sign: the anchor moved by lr * (g - momentum * buf), against "
+                     "the direction the momentum has been going - Nesterov adds it",
     "no_momentum": "the momentum buffers are not used: the step is plain SGD on the pseudo-gradient",
     "anchor_stale": "the global copy (the anchor) is not updated: the parameters got the new values but the next "
                     "pseudo-gradient was taken from the old anchor",
@@ -168,6 +163,7 @@ def replay(kind: str, anchor0, moves, lr: float, momentum: float, n: int) -> lis
     reference = [nn.Parameter(a.clone()) for a in anchor0]
     m = 0.0 if kind == "no_momentum" else momentum
     sgd = torch.optim.SGD(reference, lr=lr, momentum=m, nesterov=m > 0 and kind != "heavy_ball")
+    buffers = [torch.zeros_like(a) for a in anchor0]  # momentum_sign's own step, written out
     rounds = []
     for k in range(len(moves)):
         local = [[s - mv for s, mv in zip(start[r], moves[k][r])] for r in range(n)]
@@ -175,7 +171,11 @@ def replay(kind: str, anchor0, moves, lr: float, momentum: float, n: int) -> lis
             p.data.copy_(anchor[i])
             g = torch.stack([anchor[i] - local[r][i] for r in range(n)]).mean(0)
             p.grad = -g if kind == "sign" else g * n if kind == "sum" else g
-        sgd.step()
+            if kind == "momentum_sign":
+                buffers[i].mul_(m).add_(g)
+                p.data.sub_(g - m * buffers[i], alpha=lr)
+        if kind != "momentum_sign":
+            sgd.step()
         new = [p.detach().clone() for p in reference]
         if kind != "anchor_stale":
             anchor = new
@@ -207,7 +207,7 @@ def check_outer(checks: Checks, me: Rank, dtype, lr: float, momentum: float, rou
         with torch.no_grad():
             for p, mv in zip(params, moves[k][me.rank]):
                 p.sub_(mv)  # what this rank's inner steps did
-        _, calls = recorded(outer.sync)
+        calls = watch(SYNC, outer.sync, namespaces=lab_namespaces(lab), snapshot=True).calls
         seen.append([p.detach().clone() for p in params])
         sent = [s.reshape(-1) for c in calls for s in (c.snapshot or [])]
         zeros = zeros or (k == 0 and bool(sent) and not torch.cat(sent).abs().any())
@@ -235,7 +235,7 @@ def replayed_mistake(seen, anchor0, moves, lr, momentum, n, rank, outer, dtype) 
         return (f"the outer state holds {other} tensors for {dtype} parameters: make the anchor and the buffers "
                 f"in the parameters' dtype (clone, zeros_like)")
     for kind, words in MISTAKES.items():
-        if (kind == "sum" and n == 1) or (kind in ("no_momentum", "heavy_ball") and momentum == 0):
+        if (kind == "sum" and n == 1) or (kind in ("no_momentum", "heavy_ball", "momentum_sign") and momentum == 0):
             continue
         guess = replay(kind, anchor0, moves[:len(seen)], lr, momentum, n)
         if all(close(s, g[rank]) for s, g in zip(seen, guess)):
@@ -362,10 +362,15 @@ def check_resume(checks: Checks, me: Rank) -> bool:
         outer = lab.DiLoCo(model)  # built first, loaded after: as a script does on a restart
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
+        loaded = Inputs(state=state["outer"])  # the caller's state: the run after loading must leave it alone
         outer.load_state_dict(state["outer"])
         restored = {name: [t.clone() for t in getattr(outer, name, [])] for name in saved}
         lab.train(model, inner, outer, data, h)
-        if not all(torch.equal(a, b) for a, b in zip(model.parameters(), straight)):
+        if loaded.changed():
+            wrong = ("after load_state_dict, the syncs changed the tensors of the state dict it was given: the object "
+                     "holds the caller's tensors themselves (a checkpoint kept in memory, or one loaded into two "
+                     "objects, changes with it) - load into this object's own tensors, as the docstring says")
+        elif not all(torch.equal(a, b) for a, b in zip(model.parameters(), straight)):
             wrong = (f"saved after {stop} of {steps} inner steps and resumed in new objects, the run does not go on "
                      f"as the run that was never stopped")
             if saved["buffers"] and not all(torch.equal(a, b) for a, b in zip(saved["buffers"], restored["buffers"])):
