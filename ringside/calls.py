@@ -52,7 +52,8 @@ Each `Call` is a dict whose keys read as attributes too (`call.op` or `call["op"
     pending       the indices of the calls not completed when this one was posted
     work          the real Work of an async call (the check may wait on it itself, once the learner's
                   code has returned, to drain what it left in flight; that does not mark it completed)
-    refused       True if the call was refused (see `refuse`) or stopped by `on_call`
+    refused       True if the call was refused (see `refuse`) or stopped by `on_call`, or (on a stand-in
+                  GPU, ringside.standin) handed a tensor that NCCL would refuse: not on this rank's GPU
     snapshot      a copy of what it hands in, taken before it ran (Recorder(snapshot=True) only)
     changed_in_flight  True if the learner's code wrote (in place) into a tensor of an async call
                   after posting it and before it completed: the data sent, or the result, is then
@@ -84,6 +85,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from .standin import for_gloo
 
 P2P = ("send", "recv", "isend", "irecv")
 
@@ -251,6 +254,13 @@ class Recorder:
                 return original(*args, **kwargs)  # torch calling on inside a recorded call
             noted = self._note(kind, signature, args, kwargs)
             noted["refused"] = refuse
+            # on a stand-in GPU: gloo gets the CPU data; a tensor NCCL would refuse is refused once the
+            # call has run, so that the ranks whose calls it matches are not left waiting
+            bound = signature.bind_partial(*args, **kwargs)
+            arguments, misplaced = for_gloo(kind, bound.arguments)
+            if arguments is not bound.arguments:
+                bound.arguments.update(arguments)
+                args, kwargs = bound.args, bound.kwargs
             if refuse:
                 noted.complete("refused")
                 return refused(kind)()
@@ -266,6 +276,9 @@ class Recorder:
                 result = original(*args, **kwargs)
             finally:
                 self._local.depth -= 1
+            if misplaced is not None:
+                noted["refused"] = True
+                raise misplaced
             if not noted["async_op"]:
                 noted.complete("blocking")
                 return result

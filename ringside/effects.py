@@ -15,6 +15,10 @@ observes those, so that each check keeps only what is specific to its lab.
     changed_in_flight(recorder.calls)           # the requests whose tensors it changed before they completed
     storage_excess(shard)                       # (held, own) bytes when its storage is larger than itself
 
+    with rank_gpu(lab.fn) as (gpu, recorder):   # the device effect: tensors on this rank's stand-in GPU
+        result, problem = device_problem("fn", lab.fn, torch.ones(4, device=gpu.device))
+        problem = problem or misplaced_result("fn", result, gpu.device)   # one line naming the tensor, or None
+
 A lab function's contract, declared once, is checked on every call the check makes (`watch`):
 
     AVERAGE = Contract("average_grad_shard", like="flat_grad")   # changes nothing; its result: flat_grad's dtype, device
@@ -28,10 +32,14 @@ A lab function's contract, declared once, is checked on every call the check mak
 from __future__ import annotations
 
 import inspect
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
+
+from .standin import DeviceMismatch, StandInDeviceError, StandInGPU, origin
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -220,3 +228,84 @@ def ignored(run: Callable[[dict], object], arguments: dict, others: dict) -> lis
 
     base = run(fresh(arguments))
     return [name for name, value in others.items() if same(run(fresh({**arguments, name: value})), base)]
+
+
+# --- device: the function run again as on a GPU machine -------------------------------------------
+
+@contextmanager
+def rank_gpu(*functions):
+    """Inside, this machine is a GPU machine as `make lab` would find it (ringside.standin): the node
+    has LOCAL_WORLD_SIZE stand-in GPUs, this rank's is cuda:LOCAL_RANK, pick_backend() answers
+    ("nccl", "cuda"), and every collective and send/recv is recorded and refused, as NCCL refuses it,
+    when handed a tensor that is not on this rank's GPU. `functions`: the learner's, whose modules'
+    own names for torch.cuda and torch.distributed functions are reached too. Yields (gpu, recorder).
+
+        with rank_gpu(lab.ring_all_reduce) as (gpu, recorder):
+            x = torch.arange(8.0, device=gpu.device)
+            problem = device_problem("ring_all_reduce", lab.ring_all_reduce, x)
+    """
+    from .calls import Recorder, lab_namespaces
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    count = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_rank + 1)
+    spaces = lab_namespaces(*functions)
+    forced = os.environ.pop("RINGSIDE_BACKEND", None)  # a GPU machine's own choice, not a forced gloo
+    try:
+        with StandInGPU(devices=count, current=local_rank, namespaces=spaces) as gpu, \
+                Recorder(namespaces=spaces) as recorder:
+            yield gpu, recorder
+    finally:
+        if forced is not None:
+            os.environ["RINGSIDE_BACKEND"] = forced
+
+
+FIX = ("make it where the tensors it works with are (device=x.device, torch.empty_like(x), or the `device` "
+       "argument), or move it there with .to(x.device)")
+
+
+def device_diagnosis(function: str, error: BaseException) -> str | None:
+    """One line for a tensor found in the wrong place while `function` ran on a stand-in GPU: which
+    function, which tensor (where the learner's code made it, when known), and the fix. None when
+    `error` is no such mistake."""
+    if isinstance(error, StandInDeviceError):
+        return f"{function}, run as on a GPU machine: {error} - use this rank's GPU, cuda:LOCAL_RANK"
+    if not isinstance(error, DeviceMismatch):
+        return None
+    made = origin(error.tensor)
+    text = str(error).split(": NCCL")[0]
+    cause = " (NCCL refuses it)" if "NCCL" in str(error) else ""
+    if made:
+        which = f" - that tensor is made by {made} on the {error.tensor.device}"
+    else:
+        which = f" ({_where(error)})"
+    return f"{function}, run as on a GPU machine: {text}{cause}{which}: {FIX}"
+
+
+def misplaced_result(function: str, value, device: torch.device, what: str = "what it returned") -> str | None:
+    """One line when a tensor in `value` (a result of `function` on a stand-in GPU) is not on `device`."""
+    for tensor in _tensors(value):
+        if tensor.device != device:
+            made = origin(tensor)
+            return (f"{function}, run as on a GPU machine: {what} is on the {tensor.device}, not on {device} where "
+                    f"its inputs are" + (f" - it is made by {made}" if made else "") + f": {FIX}")
+    return None
+
+
+def device_problem(function: str, call, *args, **kwargs) -> tuple[object, str | None]:
+    """call(*args, **kwargs) inside `rank_gpu`: (its result, None), or (None, the one line of
+    `device_diagnosis`) when a tensor was in the wrong place. Any other error propagates."""
+    try:
+        return call(*args, **kwargs), None
+    except (DeviceMismatch, StandInDeviceError) as error:
+        return None, device_diagnosis(function, error)
+
+
+def not_checkable(function: str, error: BaseException) -> str:
+    """The line a check prints where `function` cannot run on a stand-in GPU (StandInGPU.unjudgeable)."""
+    return (f"device of {function}'s tensors: not checkable here ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:120]})")
+
+
+def _where(error: BaseException) -> str:
+    from .lab import _where as where
+    return where(error)

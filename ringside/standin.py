@@ -1,44 +1,339 @@
-"""A stand-in GPU for checks that run on a CPU: its random generators, held as state.
+"""A stand-in GPU for checks that run on a CPU: tensors that live on it, and its random generators.
 
-On a CPU-only machine `torch.manual_seed(s)` also "seeds every GPU", but that call is queued and never
-runs, so a check cannot see what code would do to a GPU's generator. Inside `StandInGPU()` the
-handful of `torch.cuda` random functions are replaced together, and each stand-in device gets a
-generator of its own (a CPU `torch.Generator`, so its state can be saved, compared and drawn from).
-Every path to a GPU generator then reaches the same stand-in: `torch.manual_seed`, `torch.seed`,
-`torch.cuda.manual_seed(_all)`, `torch.cuda.seed(_all)`, `get_rng_state(_all)`, `set_rng_state(_all)`,
-`initial_seed`, `torch.random.fork_rng` (which saves and restores through `torch.cuda`) and
-`torch.cuda.default_generators`. A check compares `states()` before and after a call: whatever the
-code called, the verdict is the state it left. `Module.to(a CUDA device)` and `Module.cuda()` keep
-the module on the CPU, so code that moves its model to `cuda:0` runs here unchanged.
+On a CPU-only machine code written for a GPU runs on the CPU, so a tensor made where a GPU run would
+not put it (`torch.zeros(n)` without `device=`, a model never moved) passes every test here and
+crashes there. Inside `StandInGPU(devices=N, current=k)` this machine behaves as one with N GPUs:
+
+- `torch.cuda.is_available()`, `device_count()`, `current_device()`, `set_device()` say so;
+- `torch.zeros(3, device="cuda:1")`, `x.new_zeros(...)`, `torch.empty_like(x)`, `x.to("cuda")`,
+  `x.cuda()`, `model.to(device)` make tensors whose `.device` is `cuda:1`: a `StandInTensor`, which
+  holds its values (and their autograd history) in a CPU tensor of its own, `held`;
+- every op keeps the device (autograd, `nn.functional`, optimizers included); `.cpu()` copies back;
+- a stand-in tensor meeting a CPU tensor (other than a 0-d scalar) raises what CUDA raises:
+  "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!";
+- collectives (through `ringside.calls.Recorder`, which runs them on the CPU data) refuse, as NCCL
+  does, a tensor that is not on this rank's GPU;
+- each stand-in GPU has a generator of its own (a CPU `torch.Generator`, so its state can be saved,
+  compared and drawn from): `torch.randn(3, device="cuda")` and in-place random ops on stand-in
+  tensors draw from it, and every path to a GPU generator reaches it (`torch.manual_seed`,
+  `torch.cuda.manual_seed(_all)`, `seed(_all)`, `get/set_rng_state(_all)`, `initial_seed`,
+  `torch.random.fork_rng`, `torch.cuda.default_generators`).
 
     with StandInGPU(devices=2, current=local_rank, namespaces=[learner_globals]) as gpu:
         before = gpu.states()
-        build_model(seed, torch.device("cuda", local_rank))
+        model = build_model(seed, torch.device("cuda", local_rank))   # really on cuda:local_rank now
         moved = [d for d, s in gpu.states().items() if s != before[d]]
 
-Tensors cannot be made on a stand-in device (`torch.zeros(3, device="cuda")` still raises): code
-that needs them cannot be judged this way, and `StandInGPU.unjudgeable(error)` says so.
+`DeviceMismatch` is the error of a tensor in the wrong place; `origin(tensor)` says where the
+learner's code made a CPU tensor (file:line and its text), so a diagnosis can name it, and
+`device_diagnosis(function, error)` turns the error into one line. What is not stood in: CUDA
+streams and events, `torch.Generator(device="cuda")`, pinned memory, DDP's C++ reducer (a check
+stands in DDP itself), a custom `autograd.Function` (its graph is not recorded through a stand-in
+tensor). Such code raises, and `StandInGPU.unjudgeable(error)` says that nothing can be concluded.
 """
 
 from __future__ import annotations
+
+import linecache
+import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.cuda
 import torch.cuda.random
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 # The torch.cuda functions that reach a GPU's generator (torch.random calls them through torch.cuda)
 RANDOM = ("manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
           "get_rng_state_all", "set_rng_state", "set_rng_state_all")
-DEVICE = ("is_available", "device_count", "current_device", "set_device")
+DEVICE = ("is_available", "device_count", "current_device", "set_device", "synchronize")
+
+# Ops that draw random numbers: on a stand-in tensor they draw from its GPU's generator
+SEEDED = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
+          "rand_like", "randn_like", "randint_like", "normal_", "uniform_", "bernoulli_", "random_",
+          "exponential_", "cauchy_", "log_normal_", "geometric_", "dropout", "dropout_", "alpha_dropout",
+          "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "rrelu", "rrelu_"}
+# Ops that CUDA lets mix a GPU tensor with CPU ones: a copy, indexing with CPU indices
+MAY_MIX = {"copy_", "__getitem__", "__setitem__", "to", "_has_compatible_shallow_copy_type",
+           "swap_tensors", "__set__"}
+# Functions that make a CPU tensor from nothing: where the learner's code called one is its origin
+FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "eye", "rand",
+             "randn", "randint", "randperm", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+             "randn_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "cpu", "empty_strided"}
+
+_ACTIVE: list["StandInGPU"] = []  # the stand-ins entered, innermost last
+_ORIGINS = WeakIdKeyDictionary()  # CPU tensor -> where the learner's code made it (while a stand-in is active)
 
 
 class StandInDeviceError(RuntimeError):
     """Code asked the stand-in for a GPU that the node does not have (as a real GPU would refuse)."""
 
 
+class DeviceMismatch(RuntimeError):
+    """A tensor where a GPU run would not have it: tensors on two devices met in one op (CUDA's
+    error), or a collective got one that is not on this rank's GPU (NCCL's). `tensor` is the
+    misplaced one, `role` what it was there ("dist.irecv's tensor", "an argument of add")."""
+
+    def __init__(self, message: str, tensor: torch.Tensor | None = None, role: str = ""):
+        super().__init__(message)
+        self.tensor, self.role = tensor, role
+
+
+class StandInTensor(torch.Tensor):
+    """A tensor on a stand-in GPU: torch sees its device (cuda:k); its values, shape, dtype and autograd
+    history are those of the CPU tensor it holds (`held`). Every torch function called with it runs
+    on the held tensors (see `_call`), so views stay views and gradients reach `held.grad`."""
+
+    held: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, held: torch.Tensor, device: torch.device):
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, held.shape, strides=held.stride(), storage_offset=held.storage_offset(), dtype=held.dtype,
+            device=device, requires_grad=False)  # autograd is the held tensor's
+        tensor.held = held
+        return tensor
+
+    def __init__(self, held: torch.Tensor, device: torch.device):
+        super().__init__()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _call(func, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} reached a stand-in GPU tensor below Python (C++ code that the stand-in "
+                           f"cannot run): this cannot be judged on a CPU")
+
+    def __repr__(self) -> str:
+        text = repr(self.held)
+        return text[:-1] + f", device='{self.device}')" if text.endswith(")") else text
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy "
+                        f"the tensor to host memory first.")
+
+    def __deepcopy__(self, memo):
+        copied = StandInTensor(self.held.detach().clone().requires_grad_(self.held.requires_grad), self.device)
+        if getattr(self, "_is_param", False):
+            copied._is_param = True
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol):  # pickled (torch.save, *_object collectives) as its CPU values
+        return (_rebuild, (self.held.detach(), self.device.index))
+
+
+def _rebuild(held: torch.Tensor, index: int) -> torch.Tensor:
+    """A pickled stand-in tensor, unpickled: on the stand-in again where one is active."""
+    return StandInTensor(held, torch.device("cuda", index)) if _ACTIVE else held
+
+
+def held(value):
+    """The CPU data of a stand-in tensor (in lists and dicts too); other values unchanged."""
+    return tree_map(lambda x: x.held if isinstance(x, StandInTensor) else x, value)
+
+
+def on_stand_in(tensor) -> bool:
+    return isinstance(tensor, StandInTensor)
+
+
+def _active() -> "StandInGPU":
+    if not _ACTIVE:
+        raise StandInDeviceError("a CUDA device was asked for outside a stand-in GPU")
+    return _ACTIVE[-1]
+
+
+def _as_device(device) -> torch.device:
+    if isinstance(device, int):  # torch reads a bare index as a GPU
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _place(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the CPU) where `device` says: itself for the CPU, else wrapped for that stand-in GPU."""
+    if device.type != "cuda":
+        return tensor
+    gpu = _active()
+    return StandInTensor(tensor, torch.device("cuda", gpu.index(device)))
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", "") or getattr(getattr(func, "__func__", None), "__name__", "")
+
+
+def _learner_frame():
+    """The innermost frame of a lab or solution file on the stack (None outside one)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if Path(frame.f_code.co_filename).parent.name in ("labs", "solutions"):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def origin(tensor) -> str | None:
+    """Where the learner's code made this CPU tensor (or the tensor it is a view of), as
+    "`landing = torch.empty(n)` (labs/04_ring_allreduce.py:67)"; None where unknown."""
+    for candidate in (tensor, getattr(tensor, "_base", None)):
+        if isinstance(candidate, torch.Tensor) and candidate in _ORIGINS:
+            return _ORIGINS[candidate]
+    return None
+
+
+def _note_origin(result) -> None:
+    frame = _learner_frame()
+    if frame is None or not isinstance(result, torch.Tensor) or isinstance(result, StandInTensor):
+        return
+    path = Path(frame.f_code.co_filename)
+    text = linecache.getline(str(path), frame.f_lineno).strip()
+    _ORIGINS[result] = f"`{text}` ({path.parent.name}/{path.name}:{frame.f_lineno})"
+
+
+def _moved(tensor: torch.Tensor, device, dtype=None, copy: bool = False, memory_format=None) -> torch.Tensor:
+    """`tensor.to(device, dtype)`, from or to a stand-in GPU: a copy on the CPU data, then placed."""
+    source = tensor.device
+    target = source if device is None else _as_device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", _active().current)
+    data = tensor.held if isinstance(tensor, StandInTensor) else tensor
+    dtype = dtype or data.dtype
+    if target == source and dtype == data.dtype and not copy:
+        return tensor
+    kwargs = {} if memory_format is None else {"memory_format": memory_format}
+    return _place(data.to(dtype=dtype, copy=copy or target != source, **kwargs), target)
+
+
+def _to(tensor, *args, **kwargs):
+    copy = kwargs.pop("copy", False)
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if args and isinstance(args[0], torch.Tensor):  # x.to(other): other's device and dtype
+        device, dtype = args[0].device, args[0].dtype
+    return _moved(tensor, device, dtype, copy, memory_format)
+
+
+def _cuda(tensor, device=None, non_blocking=False, memory_format=None):
+    device = torch.device("cuda", _active().current) if device is None else _as_device(device)
+    return _moved(tensor, device, memory_format=memory_format)
+
+
+def _cpu(tensor, memory_format=None):
+    result = _moved(tensor, "cpu", memory_format=memory_format)
+    if result is not tensor:
+        _note_origin(result)
+    return result
+
+
+def _register_hook(tensor, hook):
+    device = tensor.device
+    return tensor.held.register_hook(lambda grad: held(hook(StandInTensor(grad, device))))
+
+
+def _register_post_accumulate_grad_hook(tensor, hook):
+    return tensor.held.register_post_accumulate_grad_hook(lambda _: hook(tensor))
+
+
+SPECIAL = {torch.Tensor.to: _to, torch.Tensor.cuda: _cuda, torch.Tensor.cpu: _cpu,
+           torch.Tensor.register_hook: _register_hook,
+           torch.Tensor.register_post_accumulate_grad_hook: _register_post_accumulate_grad_hook}
+# What a stand-in tensor answers itself (its device); everything else is asked of the held tensor
+WHERE = {torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_cpu.__get__,
+         torch.Tensor.get_device}
+
+
+def mismatch_message(first: torch.device, second: torch.device) -> str:
+    return (f"Expected all tensors to be on the same device, but found at least two devices, "
+            f"{first} and {second}!")
+
+
+def _call(func, args, kwargs):
+    """Run a torch function the way it would run on a machine with the stand-in GPUs: on the CPU data
+    of stand-in tensors, refusing devices that CUDA would refuse to mix, results placed on the device
+    of the inputs (or the one `device=` names)."""
+    if func in WHERE:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    special = SPECIAL.get(func)
+    if special is not None and isinstance(args[0], StandInTensor) or func in (torch.Tensor.to, torch.Tensor.cuda):
+        return special(*args, **kwargs)
+    target = kwargs.get("device")
+    found: list[torch.Tensor] = []
+
+    def unwrap(value):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+            return value.held if isinstance(value, StandInTensor) else value
+        return value
+
+    inner_args, inner_kwargs = tree_map(unwrap, (args, kwargs))
+    stand_ins = [t for t in found if isinstance(t, StandInTensor)]
+    name = _name(func)
+    if target is None and not stand_ins:  # nothing of the stand-in's: as torch does
+        result = func(*args, **kwargs)
+        if name in FACTORIES and _ACTIVE:
+            _note_origin(result)
+        return result
+    if target is not None:
+        target = _as_device(target)
+        if target.type == "cuda":
+            target = torch.device("cuda", _active().index(target))
+            inner_kwargs["device"] = "cpu"
+    # a 0-d CPU tensor is a scalar to CUDA: it may meet any device
+    counted = [t for t in found if isinstance(t, StandInTensor) or not (t.device.type == "cpu" and t.dim() == 0)]
+    home = target or (counted or found)[0].device
+    if name == "_has_compatible_shallow_copy_type" and len(stand_ins) == 1:
+        return False  # `param.data = moved` cannot change a device: Module.to swaps the tensors instead
+    if name not in MAY_MIX:
+        for tensor in counted:
+            if tensor.device != counted[0].device:
+                gpu, other = sorted((counted[0], tensor), key=lambda t: t.device.type != "cuda")
+                raise DeviceMismatch(mismatch_message(gpu.device, other.device), other,
+                                     f"{name or func} got a tensor on the {other.device} with one on {gpu.device}")
+    if home.type == "cuda" and name in SEEDED and inner_kwargs.get("generator") is None:
+        with _active().drawing(home.index):
+            result = func(*inner_args, **inner_kwargs)
+    else:
+        result = func(*inner_args, **inner_kwargs)
+    given = {id(t.held if isinstance(t, StandInTensor) else t): t for t in found}
+
+    def wrap(value):
+        if not isinstance(value, torch.Tensor) or isinstance(value, StandInTensor):
+            return value
+        if id(value) in given:  # an in-place op returns its input: the same object
+            return given[id(value)]
+        return _place(value, home)
+
+    return tree_map(wrap, result)
+
+
+class _Factories(TorchFunctionMode):
+    """Every torch function called while a stand-in is active: `device="cuda:k"` makes a stand-in
+    tensor, `x.to("cuda")` moves one there, and CPU tensors the learner's code makes are noted."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return _call(func, args, kwargs or {})
+
+
+class _Stream:
+    """The stream of a stand-in GPU: everything on it has already happened."""
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
 class StandInGPU:
-    """While active, `devices` stand-in GPUs whose generators hold their own state (see the module)."""
+    """While active, `devices` stand-in GPUs, `current` the one this process uses (see the module)."""
 
     def __init__(self, devices: int = 1, current: int = 0, namespaces: tuple[dict, ...] | list[dict] = ()):
         self.count = max(1, devices)
@@ -48,6 +343,7 @@ class StandInGPU:
             generator.manual_seed(67280421310721)
         self.namespaces = list(namespaces)
         self.saved: list[tuple[object, str, object]] = []
+        self.mode = _Factories()
 
     # --- the stand-in's state ------------------------------------------------------------------------
 
@@ -64,8 +360,13 @@ class StandInGPU:
         else:
             index = int(device)
         if not 0 <= index < self.count:
-            raise StandInDeviceError(f"invalid device ordinal {index}: this node has {self.count} GPU(s)")
+            raise StandInDeviceError(f"CUDA error: invalid device ordinal {index}: this node has {self.count} GPU(s)")
         return index
+
+    @property
+    def device(self) -> torch.device:
+        """This process's stand-in GPU."""
+        return torch.device("cuda", self.current)
 
     def states(self) -> dict[str, bytes]:
         """Every stand-in generator's state, as bytes that == compares."""
@@ -79,6 +380,19 @@ class StandInGPU:
     def draw(self, index: int, n: int = 3) -> torch.Tensor:
         """Draw from stand-in GPU `index`, as `torch.rand(n, device=...)` draws from a real one."""
         return torch.rand(n, generator=self.generators[index])
+
+    @contextmanager
+    def drawing(self, index: int):
+        """While inside, the CPU's default generator is stand-in GPU `index`'s (an op that draws on
+        the CPU data of a stand-in tensor draws from that GPU's generator)."""
+        cpu = torch.random.default_generator
+        saved = cpu.get_state()
+        cpu.set_state(self.generators[index].get_state())
+        try:
+            yield
+        finally:
+            self.generators[index].set_state(cpu.get_state())
+            cpu.set_state(saved)
 
     # --- the replacements ----------------------------------------------------------------------------
 
@@ -124,7 +438,7 @@ class StandInGPU:
                 "get_rng_state_all": get_rng_state_all, "set_rng_state": set_rng_state,
                 "set_rng_state_all": set_rng_state_all, "is_available": lambda: True,
                 "device_count": lambda: self.count, "current_device": lambda: self.current,
-                "set_device": set_device}
+                "set_device": set_device, "synchronize": lambda device=None: None}
 
     def _replace(self, owner, name: str, value) -> None:
         self.saved.append((owner, name, getattr(owner, name) if not isinstance(owner, dict) else owner[name]))
@@ -132,6 +446,21 @@ class StandInGPU:
             owner[name] = value
         else:
             setattr(owner, name, value)
+
+    def _module_to(self, real_to):
+        """Module.to: onto a stand-in GPU for real. Each parameter keeps its identity (an optimizer made
+        before the move still holds it), as `param.data = ...` keeps it on a GPU machine."""
+        def to(module, *args, **kwargs):
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            if device is not None and device.type == "cuda":
+                self.index(device)  # a GPU the node lacks is refused, as it would be
+            swap = torch.__future__.get_swap_module_params_on_conversion()
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                return real_to(module, *args, **kwargs)
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(swap)
+        return to
 
     def __enter__(self) -> "StandInGPU":
         functions = self._functions()
@@ -150,24 +479,25 @@ class StandInGPU:
             for key, value in list(namespace.items()):
                 if callable(value) and id(value) in originals:
                     self._replace(namespace, key, originals[id(value)])
-        real_to, real_cuda = nn.Module.to, nn.Module.cuda
-
-        def to(module, *args, **kwargs):
-            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-            if device is not None and device.type == "cuda":
-                self.index(device)  # a GPU the node lacks is refused, as it would be
-                return module if dtype is None else real_to(module, dtype)
-            return real_to(module, *args, **kwargs)
-
-        def cuda(module, device=None):
-            self.index(device)
-            return module
-
-        self._replace(nn.Module, "to", to)
-        self._replace(nn.Module, "cuda", cuda)
+        accelerator = getattr(torch, "accelerator", None)  # optimizers ask it whether a graph is captured
+        for name, value in (("current_stream", lambda device=None: _Stream()), ("device_count", lambda: self.count),
+                            ("current_device_index", lambda: self.current), ("is_available", lambda: True),
+                            ("synchronize", lambda device=None: None)):
+            if accelerator is not None and hasattr(accelerator, name):
+                self._replace(accelerator, name, value)
+        self._replace(torch.cuda, "current_stream", lambda device=None: _Stream())
+        real_to = nn.Module.to
+        self._replace(nn.Module, "to", self._module_to(real_to))
+        self._replace(nn.Module, "cuda", lambda module, device=None: module.to(
+            torch.device("cuda", self.index(device))))
+        self._replace(nn.Module, "cpu", lambda module: module.to("cpu"))
+        _ACTIVE.append(self)
+        self.mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+        _ACTIVE.remove(self)
         for owner, name, value in reversed(self.saved):
             if isinstance(owner, dict):
                 owner[name] = value
@@ -177,12 +507,39 @@ class StandInGPU:
 
     @staticmethod
     def unjudgeable(error: BaseException) -> bool:
-        """True when `error` came from making a real CUDA tensor or generator, which no stand-in can
-        provide: the code may be right on a GPU, so nothing can be concluded here."""
-        if isinstance(error, StandInDeviceError):
+        """True when `error` came from something no stand-in provides (a CUDA stream, a generator made
+        on a GPU, C++ code below the stand-in): the code may be right on a GPU, so nothing can be
+        concluded here. A misplaced tensor (DeviceMismatch) and a GPU the node lacks are judgeable."""
+        if isinstance(error, (StandInDeviceError, DeviceMismatch)):
             return False
         text = str(error).lower()
-        return any(word in text for word in ("cuda", "nvidia", "gpu", "device"))
+        return any(word in text for word in ("cuda", "nvidia", "gpu", "device", "below python"))
 
 
-__all__ = ["StandInGPU", "StandInDeviceError"]
+
+
+
+def for_gloo(op: str, arguments: dict) -> tuple[dict, DeviceMismatch | None]:
+    """The arguments of a collective or send/recv (name -> value), as gloo takes them: each stand-in
+    tensor's CPU data (gloo writes into it, so the stand-in tensor sees the result). With the refusal
+    NCCL would make of a tensor not on this rank's GPU (None if there is none, or no stand-in)."""
+    if not _ACTIVE:
+        return arguments, None
+    gpu, refusals = _ACTIVE[-1], []
+
+    def unwrap(name):
+        def one(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            if value.device != gpu.device and not refusals:
+                why = ('NCCL refuses it ("Tensors must be CUDA and dense")' if value.device.type == "cpu" else
+                       "NCCL works on one GPU per rank")
+                refusals.append(DeviceMismatch(f"dist.{op} got `{name}` on {value.device}, not on this rank's GPU "
+                                               f"{gpu.device}: {why}", value, f"dist.{op}'s `{name}`"))
+            return value.held if isinstance(value, StandInTensor) else value
+        return one
+
+    unwrapped = {name: tree_map(unwrap(name), value) for name, value in arguments.items()}
+    return unwrapped, (refusals[0] if refusals else None)
+__all__ = ["StandInGPU", "StandInDeviceError", "StandInTensor", "DeviceMismatch", "held", "on_stand_in", "origin",
+           "for_gloo"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ringside.standin import StandInDeviceError, StandInGPU
+from ringside import run_ranks
+from ringside.standin import DeviceMismatch, StandInDeviceError, StandInGPU, StandInTensor, held
 
 
 def reseeds_all(seed: int) -> None:
@@ -74,11 +76,14 @@ def test_a_name_imported_from_torch_cuda_reaches_it_too():
     assert namespace["manual_seed_all"] is torch.cuda.manual_seed_all
 
 
-def test_module_to_a_gpu_stays_on_the_cpu_and_a_missing_gpu_is_refused():
+def test_module_to_a_gpu_moves_it_there_and_a_missing_gpu_is_refused():
     with StandInGPU(devices=2):
-        model = nn.Linear(2, 2).to("cuda:1")
-        assert next(model.parameters()).device.type == "cpu"
+        model = nn.Linear(2, 2)
+        weight = model.weight
+        assert model.to("cuda:1") is model and model.weight is weight  # the same parameter, moved
+        assert weight.device == torch.device("cuda", 1) and isinstance(weight, nn.Parameter) and weight.is_leaf
         assert next(model.to(torch.float64).parameters()).dtype == torch.float64
+        assert model.cpu().weight.device.type == "cpu"
         with pytest.raises(StandInDeviceError):
             nn.Linear(2, 2).to("cuda:2")
 
@@ -88,3 +93,119 @@ def test_leaving_puts_torch_back():
     with StandInGPU():
         assert torch.cuda.is_available()
     assert (torch.cuda.manual_seed_all, torch.cuda.get_rng_state, nn.Module.to, torch.cuda.default_generators) == real
+
+
+# --- tensors on the stand-in GPU ------------------------------------------------------------------
+
+
+def test_tensors_are_made_and_moved_as_on_a_machine_with_gpus():
+    with StandInGPU(devices=2, current=1):
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 2 and torch.cuda.current_device() == 1
+        x = torch.zeros(3, device="cuda:0")
+        assert x.device == torch.device("cuda", 0) and isinstance(x, StandInTensor)
+        assert torch.ones(2, device=torch.device("cuda", 1)).device.index == 1
+        assert torch.arange(3.0).to("cuda").device == torch.device("cuda", 1)  # the current device
+        assert torch.ones(2).cuda().device == torch.device("cuda", 1)
+        for made in (x.new_zeros(2), x.new_full((2,), 3.0), torch.empty_like(x), torch.zeros_like(x), x[1:], x * 2 + 1,
+                     x.sum(), torch.cat([x, x]), x.to(torch.float64), x.view(3, 1), x.max(0).values):
+            assert made.device == x.device, made
+        back = x.cpu()
+        assert type(back) is torch.Tensor and back.device.type == "cpu"
+        back += 1  # a copy: the GPU tensor is unchanged
+        assert x.sum().item() == 0 and x.tolist() == [0.0, 0.0, 0.0]
+        assert torch.zeros_like(x, device="cpu").device.type == "cpu"
+        torch.cuda.set_device(0)
+        assert torch.ones(1, device="cuda").device == torch.device("cuda", 0)
+        with pytest.raises(StandInDeviceError):
+            torch.zeros(1, device="cuda:2")
+        with pytest.raises(TypeError, match="cuda:0 device type tensor to numpy"):
+            x.numpy()
+    assert not torch.cuda.is_available() or torch.cuda.device_count() > 0
+
+
+def test_a_gpu_tensor_meeting_a_cpu_tensor_raises_as_cuda_does():
+    with StandInGPU(devices=1):
+        x = torch.ones(3, device="cuda")
+        with pytest.raises(DeviceMismatch, match="found at least two devices, cuda:0 and cpu!"):
+            x + torch.ones(3)
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.ones(3) * x
+        assert (x + torch.tensor(2.0)).device == x.device  # a 0-d CPU tensor is a scalar
+        x.copy_(torch.arange(3.0))  # a copy may cross devices
+        x[0] = torch.tensor(5.0)
+        assert x.tolist() == [5.0, 1.0, 2.0]
+
+
+def test_views_stay_views_on_the_gpu():
+    """The labs write into chunks of a flat buffer: the write must reach the buffer."""
+    with StandInGPU(devices=1):
+        flat = torch.zeros(6, device="cuda")
+        chunks = flat.tensor_split(3)
+        chunks[1].add_(1)
+        chunks[2].copy_(torch.tensor([7.0, 8.0]))
+        flat[:1] += 4
+        flat.narrow(0, 1, 1).fill_(9)
+        assert flat.tolist() == [4.0, 9.0, 1.0, 1.0, 7.0, 8.0]
+        assert chunks[0]._base is not None and held(chunks[0]).data_ptr() == held(flat).data_ptr()
+        assert chunks[1].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def test_autograd_optimizers_and_hooks_keep_the_device():
+    with StandInGPU(devices=2, current=1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # made before the move
+        model.to("cuda:1")
+        seen = []
+        model[0].weight.register_hook(lambda grad: seen.append(grad.device))
+        x, y = torch.randn(5, 4, device="cuda:1"), torch.tensor([0, 1, 0, 1, 1], device="cuda:1")
+        loss = nn.functional.cross_entropy(model(x), y)
+        assert loss.device == torch.device("cuda", 1) and loss.requires_grad
+        loss.backward()
+        assert seen == [torch.device("cuda", 1)] and model[0].weight.grad.device == torch.device("cuda", 1)
+        before = model[0].weight.detach().clone()
+        sgd.step()
+        assert not torch.equal(model[0].weight.detach().cpu(), before.cpu())
+        sgd.zero_grad()
+        adam = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(x).sum().backward()
+        adam.step()
+        grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        assert {g.device for g in grads} == {torch.device("cuda", 1)}
+        with pytest.raises(DeviceMismatch):
+            model(torch.randn(5, 4))  # the batch never moved: the first forward fails, as on a GPU
+
+
+def test_random_ops_on_a_gpu_draw_from_its_generator():
+    with StandInGPU(devices=2) as gpu:
+        torch.manual_seed(3)
+        cpu_before = torch.random.get_rng_state()
+        drawn = torch.randn(4, device="cuda:1")
+        assert torch.equal(held(drawn), torch.randn(4, generator=torch.Generator().manual_seed(3)))
+        nn.init.normal_(torch.empty(3, device="cuda:1"))
+        assert torch.equal(torch.random.get_rng_state(), cpu_before)  # the CPU's generator untouched
+        assert gpu.states()["cuda:0"] == StandInGPU.seeded_state(3) != gpu.states()["cuda:1"]
+
+
+def _collective_on_the_wrong_device(rank, world_size):
+    from ringside.calls import Recorder
+
+    with StandInGPU(devices=world_size, current=rank) as gpu, Recorder() as recorder:
+        right = torch.full((2,), float(rank), device=gpu.device)
+        dist.all_reduce(right)
+        wrong = torch.ones(2)  # on the CPU: NCCL refuses it
+        try:
+            dist.all_reduce(wrong)
+            refused = None
+        except DeviceMismatch as error:
+            refused = str(error)
+        return right.tolist(), refused, wrong.tolist(), [c.device.type for c in recorder.calls]
+
+
+def test_collectives_run_on_the_gpu_data_and_refuse_a_cpu_tensor():
+    results = run_ranks(_collective_on_the_wrong_device, 2, timeout=60)
+    for right, refused, wrong, devices in results:
+        assert right == [1.0, 1.0]
+        assert "dist.all_reduce got `tensor` on cpu, not on this rank's GPU" in refused
+        assert wrong == [2.0, 2.0]  # it ran (no rank is left waiting), then was refused
+        assert devices == ["cuda", "cpu"]
