@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import Contract, ignored, watch
+from ringside.effects import Contract, ignored, on_rank_gpu, watch
 from ringside.compare import all_gather_tensor, flat_grads, flat_params, max_diff
 from ringside.lab import ranks_count
 
@@ -455,6 +455,27 @@ def check_moments_follow_params(checks: Checks, me: Rank) -> bool:
     return True
 
 
+def check_on_gpu(checks: Checks, me: Rank) -> bool:
+    """ShardedAdam run again as on a GPU machine (ringside.effects.on_rank_gpu): parameters on this rank's
+    stand-in GPU, built and stepped once; its moments and the parameters must stay on that device."""
+    def run(device: torch.device):
+        generator = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(7, generator=generator).to(device)),
+                  nn.Parameter(torch.randn(3, generator=generator).to(device))]
+        optimizer = lab.ShardedAdam(params)
+        moments = [getattr(optimizer, name, None) for name in ("exp_avg", "exp_avg_sq")]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return [m for m in moments if isinstance(m, torch.Tensor)] + params
+
+    problem, note = on_rank_gpu("ShardedAdam", run, lab.ShardedAdam, lab.adam_update,
+                                what="a moment (or a parameter after step)")
+    if note:
+        print0(note)
+    return checks.expect(problem is None, problem or "")
+
+
 def layouts(world_size: int) -> list[tuple[str, list[tuple[int, ...]], set, set, torch.dtype]]:
     """(what it is, shapes, indices frozen, indices that get no gradient, dtype), smallest first."""
     return sorted([
@@ -705,7 +726,7 @@ def check_traffic(checks: Checks, me: Rank, calls, numel: int) -> None:
 
 def main(me: Rank, checks: Checks) -> None:
     for check in (check_flatten, check_shard_range, check_average, check_adam, check_gather,
-                  check_moments_follow_params):
+                  check_moments_follow_params, check_on_gpu):
         if not everyone(check(checks, me), me.device):
             return
     if train_both(checks, me):

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import Inputs, storage_excess
+from ringside.effects import Inputs, on_rank_gpu, storage_excess
 from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -275,6 +275,22 @@ def check_average(checks: Checks, me: Rank) -> bool:
         if not settle(checks, wrong):
             return False
     return True
+
+
+def check_on_gpu(checks: Checks, me: Rank) -> bool:
+    """shard_of, all_gather_flat and average_shard run again as on a GPU machine (ringside.effects.on_rank_gpu),
+    their inputs on this rank's stand-in GPU: what they hand the collectives and what they return stay there."""
+    def run(device: torch.device):
+        flat = (torch.arange(13.0) + me.rank).to(device)
+        shard = lab.shard_of(flat, me.rank, me.world_size)
+        full_grad = torch.arange(3.0 * me.world_size).to(device, BF16)  # a padded length: it divides
+        return [shard, lab.all_gather_flat(shard, BF16), lab.average_shard(full_grad)]
+
+    problem, note = on_rank_gpu("shard_of, all_gather_flat and average_shard", run, lab.all_gather_flat,
+                                lab.average_shard, lab.shard_of)
+    if note:
+        print0(note)
+    return settle(checks, problem)
 
 
 # --- The wrapper ---------------------------------------------------------------------------------
@@ -733,7 +749,7 @@ def corners(checks: Checks, me: Rank, dtype) -> bool:
 
 
 def main(me: Rank, checks: Checks) -> None:
-    for check in (check_shard_of, check_all_gather, check_average):
+    for check in (check_shard_of, check_all_gather, check_average, check_on_gpu):
         if not check(checks, me):
             return
     if train(checks, me) and corners(checks, me, None) and mixed_precision(checks, me) and corners(checks, me, BF16):

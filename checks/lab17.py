@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import Contract, Inputs, never_waited, unwaited_diagnosis, watch
+from ringside.effects import Contract, Inputs, never_waited, on_rank_gpu, unwaited_diagnosis, watch
 from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -386,6 +386,40 @@ def check_resume(checks: Checks, me: Rank) -> bool:
     return True
 
 
+def check_on_gpu(checks: Checks, me: Rank) -> bool:
+    """DiLoCo run again as on a GPU machine (ringside.effects.on_rank_gpu): the model on this rank's
+    stand-in GPU, two syncs, then its state saved, read back onto the CPU (torch.load(map_location="cpu"),
+    as a checkpoint often is) and loaded into a new DiLoCo over the same model, and a sync more. Every
+    tensor it keeps, and every parameter, must stay on the model's device."""
+    stage = {}
+
+    def run(device: torch.device):
+        model = Odd(odd_tensors(2, torch.float32)).to(device)
+        outer = lab.DiLoCo(model)
+        for k in range(2):
+            with torch.no_grad():
+                for p, mv in zip(model.parameters(), odd_tensors(100 * k + me.rank, torch.float32, 0.1)):
+                    p.sub_(mv.to(device))
+            outer.sync()
+        saved = {key: [t.cpu() for t in value] if isinstance(value, list) else value
+                 for key, value in outer.state_dict().items()}
+        outer, stage["loaded"] = lab.DiLoCo(model), True
+        outer.load_state_dict(saved)
+        outer.sync()
+        return [t for v in vars(outer).values() if isinstance(v, (list, tuple)) for t in v
+                if isinstance(t, torch.Tensor)] + list(model.parameters())
+
+    problem, note = on_rank_gpu("DiLoCo", run, lab.DiLoCo, lab.average_pseudo_gradient,
+                                what="a tensor it keeps (the anchor, a momentum buffer or a parameter)")
+    if note:
+        print0(note)
+    if problem and stage:
+        problem = (f"{problem.split(': make it')[0]} - in the sync after load_state_dict of a state read back onto "
+                   f"the CPU (torch.load(..., map_location='cpu')): load it into this object's own tensors, "
+                   f"which stay on the model's device (copy_ moves the values across)")
+    return settle(checks, problem)
+
+
 def main(me: Rank, checks: Checks) -> None:
     torch.set_num_threads(1)
     if not check_average(checks, me):
@@ -396,8 +430,8 @@ def main(me: Rank, checks: Checks) -> None:
             return
     print0("sync: 3 outer steps at (lr, momentum) = (0.7, 0.9), (0.5, 0.5) in float64 and (1, 0) (local SGD), "
            "equal to torch.optim.SGD(nesterov=True) on the averaged pseudo-gradient")
-    if check_train(checks, me):
-        check_resume(checks, me)
+    if check_train(checks, me) and check_resume(checks, me):
+        check_on_gpu(checks, me)
 
 
 def run(**learner) -> None:

@@ -309,3 +309,19 @@ def not_checkable(function: str, error: BaseException) -> str:
 def _where(error: BaseException) -> str:
     from .lab import _where as where
     return where(error)
+
+
+def on_rank_gpu(name: str, run: Callable[[torch.device], object], *functions,
+                what: str = "what it returned") -> tuple[str | None, str | None]:
+    """run(device) as on a GPU machine (`rank_gpu`), `device` being this rank's stand-in GPU:
+    (problem, note). problem: one line naming a tensor in the wrong place, raised on the way (CUDA's
+    or NCCL's refusal) or among what run returned (`what`); note: one line when the code cannot run
+    on a stand-in at all (StandInGPU.unjudgeable: nothing can be concluded), else None."""
+    with rank_gpu(*functions) as (gpu, _):
+        try:
+            result, problem = device_problem(name, run, gpu.device)
+        except Exception as error:
+            if StandInGPU.unjudgeable(error):
+                return None, not_checkable(name, error)
+            raise
+        return problem or misplaced_result(name, result, gpu.device, what), None

@@ -25,6 +25,11 @@ INNER_ADAM_NEW = INNER_ADAM_OLD.replace(
     "        self.steps += 1\n        self.inner.step()\n        gather_params(self.shard.detach(), self.params)\n")
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("moments made without device=",
+             "        self.exp_avg = torch.zeros(self.stop - self.start, device=first.device, dtype=first.dtype)\n",
+             "        self.exp_avg = torch.zeros(self.stop - self.start, dtype=first.dtype)\n",
+             "ShardedAdam, run as on a GPU machine", 2),
     # REVIEW 6: an argument not honoured, an input changed in place, an all-gather's bytes doubled
     Mutation("adam_update reads the lab's LR, not its lr", "    step_size = lr / (1 - beta1 ** t)\n",
              "    step_size = LR / (1 - beta1 ** t)\n", "adam_update ignores its argument(s) lr", 2),

@@ -5,6 +5,10 @@ from mutation import Mutation, Variant
 NPROCS = (1, 2, 3, 4, 5)
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("momentum buffers made without device=", "        self.buffers = [torch.zeros_like(p) for p in self.params]\n",
+             "        self.buffers = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]\n",
+             "DiLoCo, run as on a GPU machine", 2),
     # REVIEW 6: the sign of the momentum term, and the saved tensors kept as the object's own
     Mutation("momentum term subtracted", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n",
              "            anchor.sub_(g.add(buf, alpha=-self.momentum), alpha=self.lr)\n",
