@@ -23,7 +23,7 @@ from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
 from ringside.effects import Contract, ignored, on_rank_gpu, watch
 from ringside.compare import all_gather_tensor, flat_grads, flat_params, max_diff
-from ringside.lab import ranks_count
+from ringside.lab import everyone, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -54,13 +54,6 @@ def ring_bytes_sent(calls, world_size: int) -> float:
     """Bytes each rank sends for these calls if every collective runs as a ring."""
     share = (world_size - 1) / world_size
     return sum((2 * share if name == "all_reduce" else share) * size for name, size in calls)
-
-
-def everyone(ok: bool, device: torch.device) -> bool:
-    """True when `ok` holds on every rank: all ranks then go on to the next check together."""
-    flag = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def check_flatten(checks: Checks, me: Rank) -> bool:
@@ -529,7 +522,7 @@ def check_layouts(checks: Checks, me: Rank) -> bool:
             wrong = layout_mistake(me, *layout)
         except WrongShardSize as error:
             wrong = str(error)
-        if not everyone(wrong is None, me.device):
+        if not everyone(wrong is None):
             return checks.expect(False, wrong) if wrong else False
     return checks.expect(True, "")
 
@@ -549,7 +542,7 @@ def train_both(checks: Checks, me: Rank) -> bool:
             adam_bytes = sum(s[k].numel() * s[k].element_size() for s in adam.state.values()
                              for k in ("exp_avg", "exp_avg_sq"))
             wrong = moments_shape_mistake(optimizer, optimizer.stop - optimizer.start)
-            if not everyone(checks.expect(wrong is None, wrong or ""), me.device):
+            if not everyone(checks.expect(wrong is None, wrong or "")):
                 return
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()      # this rank's gradient only: your step averages
@@ -567,7 +560,7 @@ def train_both(checks: Checks, me: Rank) -> bool:
         if step == 1:
             check_traffic(checks, me, calls, optimizer.numel)
             # After the first step: an optimizer that builds its state lazily (an inner torch.optim.Adam) has it now.
-            if not everyone(check_state(checks, me, optimizer, model, adam_bytes), me.device):
+            if not everyone(check_state(checks, me, optimizer, model, adam_bytes)):
                 return
         mine = flat_params(model)
         if torch.isnan(mine).any():
@@ -575,7 +568,7 @@ def train_both(checks: Checks, me: Rank) -> bool:
                         f"t = 0 - count the step before the update (the first step has t = 1)")
             return
         wrong = step_mistake(me, optimizer, model, reference, step, before, calls, updates)
-        if not everyone(wrong is None, me.device):
+        if not everyone(wrong is None):
             if wrong:
                 checks.fail(wrong)
             return
@@ -599,7 +592,7 @@ def train_both(checks: Checks, me: Rank) -> bool:
     counted = checks.expect(optimizer.steps == lab.STEPS, f"ShardedAdam.steps is {optimizer.steps} after {lab.STEPS} steps: "
                   f"count every step (Adam's bias correction needs it)")
     print0(f"{lab.STEPS} steps: weights equal to DDP + torch.optim.Adam to within 1e-5 on {ranks_count(me.world_size)}")
-    return everyone(counted, me.device)
+    return everyone(counted)
 
 
 class WrongShardSize(Exception):
@@ -727,7 +720,7 @@ def check_traffic(checks: Checks, me: Rank, calls, numel: int) -> None:
 def main(me: Rank, checks: Checks) -> None:
     for check in (check_flatten, check_shard_range, check_average, check_adam, check_gather,
                   check_moments_follow_params, check_on_gpu):
-        if not everyone(check(checks, me), me.device):
+        if not everyone(check(checks, me)):
             return
     if train_both(checks, me):
         check_layouts(checks, me)

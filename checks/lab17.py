@@ -30,25 +30,9 @@ from torch.nn import functional as F
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
 from ringside.effects import Contract, Inputs, never_waited, on_rank_gpu, unwaited_diagnosis, watch
-from ringside.lab import ranks_count
+from ringside.lab import everyone, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
-
-
-def everyone(ok: bool) -> bool:
-    """True when `ok` holds on every rank: all ranks then go on to the next check together."""
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def settle(checks: Checks, wrong: str | None) -> bool:
-    """One verdict for every rank: FAIL when `wrong` is a message on any rank."""
-    if everyone(wrong is None):
-        return checks.expect(True, "")
-    if wrong:
-        checks.fail(wrong)
-    return False
 
 
 # What each function promises besides its values (ringside.effects checks it on every watched call).
@@ -101,7 +85,7 @@ def check_average(checks: Checks, me: Rank) -> bool:
             elif not all(torch.allclose(g, w, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-13)
                          for g, w in zip(got, want)):
                 wrong = f"average_pseudo_gradient ({dtype}): " + delta_mistake(got, want, anchor, everyones, me)
-        if not settle(checks, wrong):
+        if not checks.settle(wrong):
             return False
     print0("average_pseudo_gradient: the average of anchor - params over the ranks, a matrix, a vector and a "
            "scalar in float32 and float64, the parameters' bytes sent once")
@@ -200,7 +184,7 @@ def check_outer(checks: Checks, me: Rank, dtype, lr: float, momentum: float, rou
     outer = lab.DiLoCo(model, lr=lr, momentum=momentum)
     what = f"DiLoCo(lr={lr}, momentum={momentum}) on {dtype} parameters at {ranks_count(n)}"
     if inputs.changed():
-        return settle(checks, f"{what}: building it changed the model's parameters - leave them as they are")
+        return checks.settle(f"{what}: building it changed the model's parameters - leave them as they are")
     right = replay("right", anchor0, moves, lr, momentum, n)
     seen, wrong, zeros = [], None, False
     for k in range(rounds):  # every round runs, so that a diagnosis can follow the whole trajectory
@@ -223,7 +207,7 @@ def check_outer(checks: Checks, me: Rank, dtype, lr: float, momentum: float, rou
                       "(no copy), so it moves with them")
         else:
             wrong += " - " + replayed_mistake(seen, anchor0, moves, lr, momentum, n, me.rank, outer, dtype)
-    return settle(checks, wrong)
+    return checks.settle(wrong)
 
 
 def replayed_mistake(seen, anchor0, moves, lr, momentum, n, rank, outer, dtype) -> str:
@@ -322,7 +306,7 @@ def check_train(checks: Checks, me: Rank) -> bool:
                 wrong += f" - {len(losses)} losses for {steps} inner steps: return one loss per inner step"
         elif not close(params, everyone_params[me.rank]):
             wrong = f"after train({steps} steps, h={h}) the parameters differ from one process simulating every rank"
-    if not settle(checks, wrong):
+    if not checks.settle(wrong):
         return False
     print0(f"train: {steps} inner steps of AdamW, a sync after steps {h}, {2 * h} and {3 * h} only ({want_bytes} bytes "
            f"each), the same parameters as one process simulating {ranks_count(n)}")
@@ -379,7 +363,7 @@ def check_resume(checks: Checks, me: Rank) -> bool:
                 wrong += ": the anchor was not restored (after load_state_dict it is not the saved one)"
             else:
                 wrong += ": save every tensor the next sync reads, and load it into this object's own tensors"
-    if not settle(checks, wrong):
+    if not checks.settle(wrong):
         return False
     print0(f"resume: saved after {stop} inner steps, loaded into new objects, the next {steps - stop} steps bit for "
            f"bit those of the run never stopped")
@@ -417,7 +401,7 @@ def check_on_gpu(checks: Checks, me: Rank) -> bool:
         problem = (f"{problem.split(': make it')[0]} - in the sync after load_state_dict of a state read back onto "
                    f"the CPU (torch.load(..., map_location='cpu')): load it into this object's own tensors, "
                    f"which stay on the model's device (copy_ moves the values across)")
-    return settle(checks, problem)
+    return checks.settle(problem)
 
 
 def main(me: Rank, checks: Checks) -> None:
