@@ -346,15 +346,10 @@ def check_resume(checks: Checks, me: Rank) -> bool:
         outer = lab.DiLoCo(model)  # built first, loaded after: as a script does on a restart
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
-        loaded = Inputs(state=state["outer"])  # the caller's state: the run after loading must leave it alone
         outer.load_state_dict(state["outer"])
         restored = {name: [t.clone() for t in getattr(outer, name, [])] for name in saved}
         lab.train(model, inner, outer, data, h)
-        if loaded.changed():
-            wrong = ("after load_state_dict, the syncs changed the tensors of the state dict it was given: the object "
-                     "holds the caller's tensors themselves (a checkpoint kept in memory, or one loaded into two "
-                     "objects, changes with it) - load into this object's own tensors, as the docstring says")
-        elif not all(torch.equal(a, b) for a, b in zip(model.parameters(), straight)):
+        if not all(torch.equal(a, b) for a, b in zip(model.parameters(), straight)):
             wrong = (f"saved after {stop} of {steps} inner steps and resumed in new objects, the run does not go on "
                      f"as the run that was never stopped")
             if saved["buffers"] and not all(torch.equal(a, b) for a, b in zip(saved["buffers"], restored["buffers"])):
@@ -397,10 +392,12 @@ def check_on_gpu(checks: Checks, me: Rank) -> bool:
                                 what="a tensor it keeps (the anchor, a momentum buffer or a parameter)")
     if note:
         print0(note)
-    if problem and stage:
-        problem = (f"{problem.split(': make it')[0]} - in the sync after load_state_dict of a state read back onto "
-                   f"the CPU (torch.load(..., map_location='cpu')): load it into this object's own tensors, "
-                   f"which stay on the model's device (copy_ moves the values across)")
+    if problem and stage:  # as torch.optim's load_state_dict does, the state goes where the parameters are
+        problem = (f"DiLoCo, run as on a GPU machine: {problem.split(': ', 1)[-1].split(' - that tensor')[0].split(' (')[0]} - in the sync after "
+                   f"load_state_dict of a state read back onto the CPU (torch.load(..., map_location='cpu')): the "
+                   f"loaded tensors stayed on the CPU - load them into this object's own tensors, "
+                   f"which stay on the model's device (copy_ moves the values across), as torch.optim's "
+                   f"load_state_dict moves an optimizer's state to its parameters' device")
     return checks.settle(problem)
 
 

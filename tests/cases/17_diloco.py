@@ -9,7 +9,8 @@ MUTATIONS = [
     Mutation("momentum buffers made without device=", "        self.buffers = [torch.zeros_like(p) for p in self.params]\n",
              "        self.buffers = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]\n",
              "DiLoCo, run as on a GPU machine", 2),
-    # REVIEW 6: the sign of the momentum term, and the saved tensors kept as the object's own
+    # REVIEW 6: the sign of the momentum term; the saved tensors kept as the object's own (on the CPU after a
+    # torch.load(map_location="cpu"): seen on the stand-in GPU)
     Mutation("momentum term subtracted", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n",
              "            anchor.sub_(g.add(buf, alpha=-self.momentum), alpha=self.lr)\n",
              "the momentum term has the wrong sign", 2),
@@ -17,7 +18,7 @@ MUTATIONS = [
              "        for mine, saved in zip(self.anchor + self.buffers, state[\"anchor\"] + state[\"buffers\"]):\n"
              "            mine.copy_(saved)\n",
              "        self.anchor, self.buffers = state[\"anchor\"], state[\"buffers\"]\n",
-             "the object holds the caller's tensors themselves", 2),
+             "in the sync after load_state_dict of a state read back onto the CPU", 2),
     Mutation("pseudo-gradient's sign flipped", "    flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(anchor, params)])\n",
              "    flat = torch.cat([(p.detach() - a).reshape(-1) for a, p in zip(anchor, params)])\n",
              "the pseudo-gradient's sign is flipped", 2),
