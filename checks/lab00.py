@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ringside import Checks, Rank, print_ranked, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import never_waited, unwaited_diagnosis
+from ringside.effects import device_problem, never_waited, passed_on_every_rank, rank_gpu, unwaited_diagnosis
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -147,6 +147,17 @@ def main(me: Rank, checks: Checks) -> None:
     if me.is_main:
         print(f"sum of ranks: {total}")
     check_sum(checks, me.device)
+    if passed_on_every_rank(checks):
+        check_on_gpu(checks)
+
+
+def check_on_gpu(checks: Checks) -> None:
+    """sum_over_ranks once more as `make lab` runs it on a GPU machine: `device` this rank's stand-in
+    GPU, NCCL's rules for what a collective accepts (ringside.effects.rank_gpu). A tensor made on the
+    CPU is named where it is made."""
+    with rank_gpu(lab.sum_over_ranks) as (gpu, _):
+        _, problem = device_problem("sum_over_ranks", check_sum, checks, gpu.device)
+        checks.expect(problem is None, problem or "")
 
 
 def run(**learner) -> None:

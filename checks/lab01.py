@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from ringside import Checks, pick_backend, run_lab
 from ringside.compare import all_gather_tensor, flat_params, max_diff
 from ringside.data import digits
+from ringside.effects import device_problem, misplaced_result, passed_on_every_rank, rank_gpu
 from ringside.lab import captured_stdout, ranks_count, ranks_label
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -425,6 +426,37 @@ def main(checks: Checks) -> None:
     data_ok = check_data(checks, dataset.by_epoch(len(sampler_of(loader))), sampler_of(loader))
     check_logging(checks, printed.getvalue())
     check_weights(checks, model, dataset.base, against_reference=data_ok)
+    if passed_on_every_rank(checks):
+        check_on_gpu(checks)
+
+
+def check_on_gpu(checks: Checks) -> None:
+    """setup, wrap and train once more as `make lab` runs them on a GPU machine: pick_backend() answers
+    nccl and cuda, this rank's GPU is a stand-in (ringside.effects.rank_gpu) and so is DDP (its checks
+    of devices, the inputs moved to device_ids[0]; no averaging: the run above compared the weights),
+    on one batch per epoch. A device that is not the rank's GPU, a model never moved, a batch or a
+    tensor left on the CPU is named."""
+    with rank_gpu(lab.setup, lab.make_loader, lab.wrap, lab.train) as (gpu, _):
+        device, problem = device_problem("setup", lab.setup)
+        if problem is None and device != gpu.device:
+            problem = (f"setup(), run as on a GPU machine (pick_backend() answers nccl and cuda), returned "
+                       f"{device}, not this rank's GPU {gpu.device} - take the device type from pick_backend() and "
+                       f"the GPU index from LOCAL_RANK (device_for() does both)")
+        if problem is None:
+            try:
+                model, problem = device_problem("wrap", lab.wrap, lab.make_model(), gpu.device)
+            except ValueError as error:  # DDP's refusal: device_ids for a model that is not on a GPU
+                model, problem = None, (f"wrap(), run as on a GPU machine: DDP refused the model "
+                                        f"({str(error).split(', but got')[0]}) - put it on `device` first "
+                                        f"(model.to(device)), then wrap it")
+            problem = problem or misplaced_result("wrap", list(model.parameters()), gpu.device, "the model",
+                                                  "(`device`): put the model there (model.to(device)) before DDP "
+                                                  "wraps it")
+        if problem is None:
+            loader = lab.make_loader(digits(n=lab.BATCH_PER_RANK * dist.get_world_size()))
+            with captured_stdout(echo=False):
+                _, problem = device_problem("train", lab.train, model, loader, gpu.device)
+        checks.expect(problem is None, problem or "")
 
 
 def too_many_ranks(world_size: int) -> str | None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, print_ranked, run_lab
 from ringside.calls import DryRun, Recorded, Recorder
-from ringside.effects import never_waited, unwaited_diagnosis
+from ringside.effects import device_problem, never_waited, passed_on_every_rank, rank_gpu, unwaited_diagnosis
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -335,14 +335,36 @@ def main(me: Rank, checks: Checks) -> None:
     for size, width in ((7, 2), (5, 1), (8, 3)):
         if not halo_case(me, checks, size, width, show=width == 2) or checks.failures:
             return
+    if passed_on_every_rank(checks):
+        check_on_gpu(me, checks)
 
 
-def halo_case(me: Rank, checks: Checks, size: int, width: int, show: bool) -> bool:
-    """One smoothing step with start_halo_exchange on slabs of `size` and halos of `width`: the halos,
-    the smoothed slab, and the caller's slab left as it was. False where something was wrong."""
-    local = slab_of(me.rank, me.world_size, size).to(me.device)
+def check_on_gpu(me: Rank, checks: Checks) -> None:
+    """pass_token and one smoothing step once more as `make lab` runs them on a GPU machine: `device`
+    this rank's stand-in GPU, NCCL's rules for what send and recv accept (ringside.effects.rank_gpu).
+    A token or a buffer made on the CPU is named where it is made."""
+    with rank_gpu(lab.pass_token, lab.start_halo_exchange, lab.smooth) as (gpu, _):
+        plans, problem = device_problem("pass_token", rehearse, lab.pass_token, gpu.device)
+        mistakes = token_plan_mistakes(plans, gpu.device) if problem is None else [problem]
+        if mistakes:
+            checks.fail(mistakes[0])
+            return
+        token, problem = device_problem("pass_token", lab.pass_token, gpu.device)
+        if problem is None:
+            check_token(checks, token)
+            _, problem = device_problem("start_halo_exchange (in smooth)", halo_case, me, checks, 7, 2, False,
+                                        gpu.device)
+        checks.expect(problem is None, problem or "")
+
+
+def halo_case(me: Rank, checks: Checks, size: int, width: int, show: bool, device: torch.device | None = None) -> bool:
+    """One smoothing step with start_halo_exchange on slabs of `size` and halos of `width` (on `device`,
+    the rank's by default): the halos, the smoothed slab, and the caller's slab left as it was. False
+    where something was wrong."""
+    device = device or me.device
+    local = slab_of(me.rank, me.world_size, size).to(device)
     # start_halo_exchange too runs on paper first: messages that nobody receives are named at once.
-    halos = [torch.zeros(width, dtype=local.dtype, device=me.device) for _ in range(2)]
+    halos = [torch.zeros(width, dtype=local.dtype, device=device) for _ in range(2)]
     planned = halo_plan_mistakes(rehearse(lab.start_halo_exchange, local.clone(), *halos, width), width)
     for mistake in planned:
         checks.fail(f"(slabs of {size}, halos of {width}) {mistake}" if not show else mistake)

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import COLLECTIVES as RECORDED
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import narrowed, unwaited_diagnosis
+from ringside.effects import device_problem, narrowed, passed_on_every_rank, rank_gpu, unwaited_diagnosis
 from ringside.lab import ranks_count
+from ringside.standin import DeviceMismatch
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -132,6 +133,8 @@ def run_watched(checks: Checks, name: str, fn, *args, ring: bool = False, root: 
     with Recorder(refuse=COLLECTIVES, namespaces=lab_namespaces(fn)) as calls:
         try:
             fn(*args)
+        except DeviceMismatch:  # on the stand-in GPU: named by check_on_gpu
+            raise
         except RuntimeError as error:
             text = str(error).lower()
             found = peer_mistakes(calls, name, root) + p2p_mistakes(calls, name, ring, returned=False)
@@ -307,6 +310,26 @@ def main(me: Rank, checks: Checks) -> None:
                 return
     print0(f"compared broadcast, gather and all_gather with torch.distributed's own: "
            f"{len(SHAPES)} shapes x {len(DTYPES)} dtypes, every root, {ranks_count(world_size)}")
+    if passed_on_every_rank(checks):
+        check_on_gpu(checks)
+
+
+def check_on_gpu(checks: Checks) -> None:
+    """broadcast, gather and all_gather once more as `make lab` runs them on a GPU machine, on one case:
+    the tensors on this rank's stand-in GPU, NCCL's rules for what send and recv accept
+    (ringside.effects.rank_gpu). A buffer made on the CPU is named where it is made."""
+    world_size = dist.get_world_size()
+    with rank_gpu(lab.broadcast, lab.gather, lab.all_gather) as (gpu, _):
+        inputs = [rank_tensor(r, SHAPES[0], DTYPES[0], 0, gpu.device) for r in range(world_size)]
+        what = f"a {tuple(SHAPES[0])} {str(DTYPES[0]).replace('torch.', '')} tensor on this rank's GPU"
+        for name, check in (("broadcast", check_broadcast), ("gather", check_gather), ("all_gather", check_all_gather)):
+            try:
+                _, problem = device_problem(name, check, checks, inputs, what)
+            except Stop as stop:
+                checks.fail(str(stop))
+                return
+            if not checks.expect(problem is None, problem or ""):
+                return
 
 
 def run(**learner) -> None:

@@ -17,7 +17,9 @@ from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import DryRun, Recorder, lab_namespaces
 from ringside.compare import equal_on_all_ranks, max_diff
 from ringside.data import regression
+from ringside.effects import device_diagnosis, device_problem, misplaced_result, passed_on_every_rank, rank_gpu
 from ringside.lab import explain, ranks_count
+from ringside.standin import DeviceMismatch, origin
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -278,9 +280,10 @@ def watched_exchange(group: dist.ProcessGroup):
                                 f"rank sends one chunk and receives another)")
             if rows[r][3]:
                 what = "dtype" if rows[r][3] == 1 else "device"
+                made = origin(incoming) if kind == rows[r][3] else None  # where this rank made its own
                 raise BadBuffer(f"at step {step} of the {phase}, rank {r} received into a buffer of another {what} "
-                                f"than the chunk it sent: the receive buffer must have the tensor's dtype and "
-                                f"device (torch.empty_like, not torch.empty)")
+                                f"than the chunk it sent" + (f" (made by {made})" if made else "") + ": the receive "
+                                f"buffer must have the tensor's dtype and device (torch.empty_like, not torch.empty)")
             sent, room = rows[(r - 1) % world_size][1], rows[r][2]
             if sent != room:
                 raise BadBuffer(f"at step {step} of the {phase}, rank {r} received into a buffer of {room} "
@@ -312,6 +315,8 @@ def run_ring(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[int, str |
                             f"2(N-1)/N) - run each phase for exactly N - 1 steps")
     except (UsedCollective, BadBuffer) as error:
         code, why = 2, str(error)
+    except DeviceMismatch as error:  # on the stand-in GPU: a tensor where a GPU run would not have it
+        code, why = 2, device_diagnosis("ring_all_reduce", error)
     except LeftBehind as error:
         code, why = 1, str(error)
     except NotImplementedError:
@@ -442,13 +447,14 @@ def diagnose_ring(result: torch.Tensor, expected: torch.Tensor, mine: torch.Tens
             f"chunk it received at the step before")
 
 
-def check_ring(checks: Checks, device: torch.device) -> bool:
-    """The ring against dist.all_reduce on the same inputs; stops at the first failure."""
+def check_ring(checks: Checks, device: torch.device, cases: list | None = None) -> bool:
+    """The ring against dist.all_reduce on the same inputs (`cases`, all of ring_cases by default);
+    stops at the first failure."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # The check's own messages go on a group of their own, CPU and gloo whatever the backend, with
     # a long timeout: a rank whose ring crashed waits there while the others' recvs time out (10 s).
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
-    for shape, dtype in ring_cases(world_size):
+    for shape, dtype in cases or ring_cases(world_size):
         mine = example(shape, dtype, rank, device)
         expected = mine.clone()
         dist.all_reduce(expected)
@@ -496,20 +502,20 @@ def check_one_ring_per_step(checks: Checks, recorded: Recorder, device: torch.de
     return checks.expect(True, "")
 
 
-def check_training(checks: Checks, device: torch.device) -> None:
+def check_training(checks: Checks, device: torch.device) -> bool:
     """The home-made DDP against DDP, step by step: same gradients, same weights."""
     world_size = dist.get_world_size()
     data = regression(n=lab.STEPS * world_size * lab.BATCH_PER_RANK)
     with Recorder(namespaces=lab_namespaces(lab.train)) as recorded:
         ours = lab.train(lab.make_model().to(device), data, device, by_hand=True)
     if not check_one_ring_per_step(checks, recorded, device):
-        return
+        return False
     device_ids = [device.index] if device.type == "cuda" else None
     theirs = lab.train(DDP(lab.make_model().to(device), device_ids=device_ids), data, device, by_hand=False)
     for step, ((local, my_grads, my_weights), (_, ddp_grads, ddp_weights)) in enumerate(zip(ours, theirs)):
         if not torch.isfinite(my_grads).all():
             checks.fail(f"step {step}: the averaged gradients hold NaN or inf")
-            return
+            return False
         # Tolerance: DDP sums the gradients in gloo's order, we in the ring's; float32 rounding
         # differs by about 1e-7 per step, and STEPS steps stay far below 1e-5. Mistakes are > 1e-3.
         gap = max_diff(my_grads, ddp_grads)
@@ -530,15 +536,34 @@ def check_training(checks: Checks, device: torch.device) -> None:
                         "advance by each grad's numel()?")
             checks.fail(f"step {step}: the averaged gradients differ from DDP's by {gap:.2e} "
                         f"(tolerance 1e-5): {hint}")
-            return
+            return False
         if not equal_on_all_ranks(my_weights):
             checks.fail(f"step {step}: the weights differ between ranks although the gradients match DDP's")
-            return
+            return False
         gap = max_diff(my_weights, ddp_weights)
         if not checks.expect(gap <= 1e-5, f"step {step}: the weights differ from DDP's by {gap:.2e} "
                                           f"(tolerance 1e-5) although the gradients agree"):
-            return
+            return False
     print0(f"home-made DDP matches DDP for {lab.STEPS} steps (max weight gap {gap:.1e})")
+    return True
+
+
+def check_on_gpu(checks: Checks) -> None:
+    """The ring and the home-made DDP once more as `make lab` runs them on a GPU machine: the tensors
+    on this rank's stand-in GPU, NCCL's rules for what send and recv accept (ringside.effects.rank_gpu).
+    A buffer made on the CPU (a landing buffer, the flat gradients) is named where it is made."""
+    with rank_gpu(lab.ring_all_reduce, lab.send_right_receive_left, lab.train) as (gpu, _):
+        world_size = dist.get_world_size()
+        # one case that divides and one that does not: the landing buffer, the chunks, the remainder
+        cases = [((world_size * 5,), torch.float32), ((world_size * 5 + 1,), torch.int64)]
+        if not check_ring(checks, gpu.device, cases):
+            return
+        data = regression(n=lab.STEPS * world_size * lab.BATCH_PER_RANK)
+        model = lab.make_model().to(gpu.device)
+        _, problem = device_problem("average_gradients (in train)", lab.train, model, data, gpu.device, by_hand=True)
+        problem = problem or misplaced_result("average_gradients", [p.grad for p in model.parameters()], gpu.device,
+                                              "a gradient it left in p.grad")
+        checks.expect(problem is None, problem or "")
 
 
 def main(me: Rank, checks: Checks) -> None:
@@ -552,6 +577,8 @@ def main(me: Rank, checks: Checks) -> None:
         print0(f"ring_all_reduce equals dist.all_reduce on {len(ring_cases(me.world_size))} "
                f"shape/dtype cases")
         check_training(checks, me.device)
+    if passed_on_every_rank(checks):
+        check_on_gpu(checks)
 
 
 # A short timeout (the default is 30 s): a deadlocked ring fails after 10 s instead of hanging.

@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.data import digits
+from ringside.effects import device_problem, misplaced_result, passed_on_every_rank, rank_gpu
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -237,6 +238,7 @@ def exact_metrics_finding(table: torch.Tensor, rank: int, results: torch.Tensor)
 def main(me: Rank, checks: Checks) -> None:
     model = trained_model().to(me.device)
     x, y = digits().tensors
+    first = None  # the verdict on the first size, (accuracy, loss), for the run on a GPU machine
     for n in lab.SIZES:
         dataset = TensorDataset(x[:n], y[:n])
         model.train()  # as a training loop leaves it
@@ -292,6 +294,7 @@ def main(me: Rank, checks: Checks) -> None:
             checks.fail(f"{where}exact_metrics returned {result!r}: return two numbers, (accuracy, mean loss)")
             return
         print0(f"{where}accuracy {accuracy:.4f}, mean loss {loss:.4f}")
+        first = first or (accuracy, loss)
         if table[:, 3].any():
             on = [r for r in range(me.world_size) if table[r, 3]]
             checks.fail(f"{where}dropout was active while local_sums evaluated (the model in training mode, on "
@@ -312,15 +315,29 @@ def main(me: Rank, checks: Checks) -> None:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
             return
-    device_note(me.device)
+    if passed_on_every_rank(checks):
+        check_on_gpu(checks, first)
 
 
-def device_note(device: torch.device) -> None:
-    """What a CPU run cannot tell: on a CPU the data and the sums are on one device whatever the code
-    asked for, so sums made without device= pass here and fail on GPUs (NCCL takes GPU tensors only)."""
-    if device.type == "cpu":
-        print0("device of the sums: not checkable here (on a CPU every tensor is on the data's device; "
-               "on GPUs the check compares them)")
+def check_on_gpu(checks: Checks, expected: tuple[float, float]) -> None:
+    """local_sums and exact_metrics once more as `make lab` runs them on a GPU machine: the model on this
+    rank's stand-in GPU, NCCL's rules for what all_reduce accepts (ringside.effects.rank_gpu), on the
+    smallest data set. Sums made on the CPU are named where they are made; the results must not change."""
+    x, y = digits().tensors
+    n, model = lab.SIZES[0], trained_model()
+    with rank_gpu(lab.local_sums, lab.exact_metrics) as (gpu, _):
+        model.to(gpu.device)
+        sums, problem = device_problem("local_sums", lab.local_sums, model, lab.eval_loader(
+            TensorDataset(x[:n], y[:n])), n, gpu.device)
+        problem = problem or misplaced_result("local_sums", sums, gpu.device, "the sums it returned")
+        if problem is None:
+            result, problem = device_problem("exact_metrics", lab.exact_metrics, sums)
+        if not checks.expect(problem is None, f"{n} samples on {dist.get_world_size()} ranks: {problem}"):
+            return
+        got = tuple(float(value) for value in result)
+        checks.expect(all(abs(a - b) <= 1e-12 * max(1.0, abs(b)) for a, b in zip(got, expected)),
+                      f"{n} samples on {dist.get_world_size()} ranks, on a GPU machine (this rank's GPU, "
+                      f"{gpu.device}): exact_metrics returned {got}, on the CPU {expected}")
 
 
 def one_rank_proves_nothing(world_size: int) -> str | None:

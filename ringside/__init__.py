@@ -15,8 +15,9 @@ Each module says in its docstring which chapter explains what it does.
 - compare:    tensors compared with a stated tolerance, and a one-line reason when they differ.
 - calls:      the one recorder of collectives and point-to-point calls at the c10d boundary
               (`Recorder`, `lab_namespaces`) for every lab check; `DryRun` rehearses with nothing sent.
-- standin:    a stand-in GPU whose random generator has its own state (`StandInGPU`), so a
-              check on a CPU judges what a GPU run would leave behind.           labs 08, 10
+- standin:    stand-in GPUs on a CPU (`StandInGPU`): tensors that live on cuda:k, CUDA's and
+              NCCL's refusals of a tensor elsewhere, generators with their own state, so a
+              check on a CPU judges what a GPU run would do.        labs 00-04, 08, 10
 - data:       data sets that need no download (scikit-learn's digits file, a seeded regression).
 - ring:       the ring all-reduce's schedule, pictures, cost model and measured results. chapter 04
 - rendezvous: fresh rendezvous files, a simulated two-node job, listening sockets.  chapter 05

@@ -52,8 +52,9 @@ Each `Call` is a dict whose keys read as attributes too (`call.op` or `call["op"
     pending       the indices of the calls not completed when this one was posted
     work          the real Work of an async call (the check may wait on it itself, once the learner's
                   code has returned, to drain what it left in flight; that does not mark it completed)
-    refused       True if the call was refused (see `refuse`) or stopped by `on_call`, or (on a stand-in
-                  GPU, ringside.standin) handed a tensor that NCCL would refuse: not on this rank's GPU
+    refused       True if the call was refused (see `refuse`) or stopped by `on_call`
+    misplaced     on a stand-in GPU (ringside.standin): the DeviceMismatch NCCL would raise for a tensor
+                  not on this rank's GPU (the call still runs on gloo; StandInGPU.refused lists them), else None
     snapshot      a copy of what it hands in, taken before it ran (Recorder(snapshot=True) only)
     changed_in_flight  True if the learner's code wrote (in place) into a tensor of an async call
                   after posting it and before it completed: the data sent, or the result, is then
@@ -248,19 +249,22 @@ class Recorder:
         """The stand-in for one function: record, then call the original (or refuse)."""
         signature = inspect.signature(original)
         refuse = kind in self.refuse
+        outer = getattr(original, "recorded", False)
 
         def call(*args, **kwargs):
-            if self._depth() and not (self.in_batch and kind in P2P):
-                return original(*args, **kwargs)  # torch calling on inside a recorded call
+            if self._depth():  # torch calling on inside a recorded call (a torch-function handler, too)
+                return original(*args, **kwargs)
             noted = self._note(kind, signature, args, kwargs)
             noted["refused"] = refuse
-            # on a stand-in GPU: gloo gets the CPU data; a tensor NCCL would refuse is refused once the
-            # call has run, so that the ranks whose calls it matches are not left waiting
+            # on a stand-in GPU: gloo gets the CPU data; a tensor NCCL would refuse is noted as refused
+            # (StandInGPU.refused, `misplaced`) but the call runs, so that no rank is left waiting
             bound = signature.bind_partial(*args, **kwargs)
-            arguments, misplaced = for_gloo(kind, bound.arguments)
+            # (an outer Recorder's stand-in, which this one calls on, does that once for both)
+            arguments, misplaced = (bound.arguments, None) if outer else for_gloo(kind, bound.arguments)
             if arguments is not bound.arguments:
                 bound.arguments.update(arguments)
                 args, kwargs = bound.args, bound.kwargs
+            noted["misplaced"] = misplaced
             if refuse:
                 noted.complete("refused")
                 return refused(kind)()
@@ -276,9 +280,6 @@ class Recorder:
                 result = original(*args, **kwargs)
             finally:
                 self._local.depth -= 1
-            if misplaced is not None:
-                noted["refused"] = True
-                raise misplaced
             if not noted["async_op"]:
                 noted.complete("blocking")
                 return result
@@ -291,7 +292,7 @@ class Recorder:
                                  {id(t): t for t in noted["tensors"] + [r() for r in noted["outputs"]]
                                   if t is not None and t._base is None}.values()]
             return Recorded(result, [noted]) if result is not None else result
-        call.__wrapped__ = original
+        call.__wrapped__, call.recorded = original, True
         return call
 
     def _batch(self, original):

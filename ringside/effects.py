@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
-from .standin import DeviceMismatch, StandInDeviceError, StandInGPU, origin
+from .standin import _ACTIVE, DeviceMismatch, StandInDeviceError, StandInGPU, origin
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -250,11 +251,23 @@ def rank_gpu(*functions):
     count = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_rank + 1)
     spaces = lab_namespaces(*functions)
     forced = os.environ.pop("RINGSIDE_BACKEND", None)  # a GPU machine's own choice, not a forced gloo
+    joined = dist.init_process_group  # the group exists: joining it again (setup() in lab 01) is noted only
+    gpu_joins = []
+
+    def init_process_group(*args, **kwargs):
+        gpu_joins.append((args, kwargs))
+
+    named = [(space, key) for space in [vars(dist)] + spaces for key, value in space.items() if value is joined]
     try:
+        for space, key in named:
+            space[key] = init_process_group
         with StandInGPU(devices=count, current=local_rank, namespaces=spaces) as gpu, \
                 Recorder(namespaces=spaces) as recorder:
+            gpu.joins = gpu_joins
             yield gpu, recorder
     finally:
+        for space, key in named:
+            space[key] = joined
         if forced is not None:
             os.environ["RINGSIDE_BACKEND"] = forced
 
@@ -281,23 +294,33 @@ def device_diagnosis(function: str, error: BaseException) -> str | None:
     return f"{function}, run as on a GPU machine: {text}{cause}{which}: {FIX}"
 
 
-def misplaced_result(function: str, value, device: torch.device, what: str = "what it returned") -> str | None:
+def misplaced_result(function: str, value, device: torch.device, what: str = "what it returned",
+                     where: str = "where its inputs are") -> str | None:
     """One line when a tensor in `value` (a result of `function` on a stand-in GPU) is not on `device`."""
     for tensor in _tensors(value):
         if tensor.device != device:
             made = origin(tensor)
-            return (f"{function}, run as on a GPU machine: {what} is on the {tensor.device}, not on {device} where "
-                    f"its inputs are" + (f" - it is made by {made}" if made else "") + f": {FIX}")
+            return (f"{function}, run as on a GPU machine: {what} is on the {tensor.device}, not on {device} {where}"
+                    + (f" - it is made by {made}" if made else "") + f": {FIX}")
     return None
 
 
 def device_problem(function: str, call, *args, **kwargs) -> tuple[object, str | None]:
-    """call(*args, **kwargs) inside `rank_gpu`: (its result, None), or (None, the one line of
-    `device_diagnosis`) when a tensor was in the wrong place. Any other error propagates."""
+    """call(*args, **kwargs) inside `rank_gpu`: (its result, None), or (its result or None, the one
+    line of `device_diagnosis`) when a tensor was in the wrong place: two devices met in an op (raised,
+    as CUDA raises it), or a collective or send/recv was handed a tensor NCCL refuses (noted while the
+    call ran on gloo: the first one is named). Any other error propagates, unless a refusal came first."""
+    refused = _ACTIVE[-1].refused
+    before = len(refused)
     try:
-        return call(*args, **kwargs), None
+        result = call(*args, **kwargs)
     except (DeviceMismatch, StandInDeviceError) as error:
-        return None, device_diagnosis(function, error)
+        return None, device_diagnosis(function, refused[before] if len(refused) > before else error)
+    except Exception:
+        if len(refused) > before:  # the consequence of a tensor NCCL would not have taken
+            return None, device_diagnosis(function, refused[before])
+        raise
+    return result, (device_diagnosis(function, refused[before]) if len(refused) > before else None)
 
 
 def not_checkable(function: str, error: BaseException) -> str:
@@ -325,3 +348,12 @@ def on_rank_gpu(name: str, run: Callable[[torch.device], object], *functions,
                 return None, not_checkable(name, error)
             raise
         return problem or misplaced_result(name, result, gpu.device, what), None
+
+
+def passed_on_every_rank(checks) -> bool:
+    """True on every rank when no rank has a failure yet (a collective: every rank must call it).
+    The run on a stand-in GPU comes after the CPU verdict, and only where that passed everywhere: its
+    collectives must be made by every rank, and a diagnosis of the CPU run stays the first one."""
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, not checks.failures)
+    return all(verdicts)

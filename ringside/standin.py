@@ -11,8 +11,9 @@ crashes there. Inside `StandInGPU(devices=N, current=k)` this machine behaves as
 - every op keeps the device (autograd, `nn.functional`, optimizers included); `.cpu()` copies back;
 - a stand-in tensor meeting a CPU tensor (other than a 0-d scalar) raises what CUDA raises:
   "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!";
-- collectives (through `ringside.calls.Recorder`, which runs them on the CPU data) refuse, as NCCL
-  does, a tensor that is not on this rank's GPU;
+- a collective or send/recv (through `ringside.calls.Recorder`, which runs it on the CPU data) handed a
+  tensor that is not on this rank's GPU is noted in `refused`, as NCCL would refuse it (it still runs,
+  so that no other rank is left waiting);
 - each stand-in GPU has a generator of its own (a CPU `torch.Generator`, so its state can be saved,
   compared and drawn from): `torch.randn(3, device="cuda")` and in-place random ops on stand-in
   tensors draw from it, and every path to a GPU generator reaches it (`torch.manual_seed`,
@@ -43,14 +44,15 @@ import torch
 import torch.cuda
 import torch.cuda.random
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 # The torch.cuda functions that reach a GPU's generator (torch.random calls them through torch.cuda)
 RANDOM = ("manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
           "get_rng_state_all", "set_rng_state", "set_rng_state_all")
-DEVICE = ("is_available", "device_count", "current_device", "set_device", "synchronize")
+DEVICE = ("is_available", "device_count", "current_device", "set_device", "synchronize", "is_current_stream_capturing")
 
 # Ops that draw random numbers: on a stand-in tensor they draw from its GPU's generator
 SEEDED = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
@@ -60,6 +62,8 @@ SEEDED = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multin
 # Ops that CUDA lets mix a GPU tensor with CPU ones: a copy, indexing with CPU indices
 MAY_MIX = {"copy_", "__getitem__", "__setitem__", "to", "_has_compatible_shallow_copy_type",
            "swap_tensors", "__set__"}
+IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+            "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 # Functions that make a CPU tensor from nothing: where the learner's code called one is its origin
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "eye", "rand",
              "randn", "randint", "randperm", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
@@ -191,7 +195,7 @@ def _note_origin(result) -> None:
     if frame is None or not isinstance(result, torch.Tensor) or isinstance(result, StandInTensor):
         return
     path = Path(frame.f_code.co_filename)
-    text = linecache.getline(str(path), frame.f_lineno).strip()
+    text = linecache.getline(str(path), frame.f_lineno).split("  #")[0].strip()
     _ORIGINS[result] = f"`{text}` ({path.parent.name}/{path.name}:{frame.f_lineno})"
 
 
@@ -283,8 +287,10 @@ def _call(func, args, kwargs):
         if target.type == "cuda":
             target = torch.device("cuda", _active().index(target))
             inner_kwargs["device"] = "cpu"
-    # a 0-d CPU tensor is a scalar to CUDA: it may meet any device
-    counted = [t for t in found if isinstance(t, StandInTensor) or not (t.device.type == "cpu" and t.dim() == 0)]
+    # a 0-d CPU tensor is a scalar to CUDA: it may meet any device, but not be written with a GPU's values
+    written = found[0] if found and (name in IN_PLACE or name.endswith("_") and not name.endswith("__")) else None
+    counted = [t for t in found if isinstance(t, StandInTensor) or t is written
+               or not (t.device.type == "cpu" and t.dim() == 0)]
     home = target or (counted or found)[0].device
     if name == "_has_compatible_shallow_copy_type" and len(stand_ins) == 1:
         return False  # `param.data = moved` cannot change a device: Module.to swaps the tensors instead
@@ -319,6 +325,44 @@ class _Factories(TorchFunctionMode):
         return _call(func, args, kwargs or {})
 
 
+class StandInDDP(DistributedDataParallel):
+    """DistributedDataParallel on a stand-in GPU, where DDP's C++ reducer cannot run: it refuses what
+    DDP refuses about devices (a model on the CPU with device_ids, parameters on two kinds of device,
+    more than one device id) with DDP's own words, and moves the forward's inputs to device_ids[0] as
+    DDP does. It does not average gradients: the check's CPU run compares what DDP computes."""
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, *args, **kwargs):
+        nn.Module.__init__(self)
+        parameters = [p for p in module.parameters()]
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError("device_ids can only be None or contain a single element.")
+        types = {p.device.type for p in parameters}
+        if len(types) != 1:
+            raise ValueError("DistributedDataParallel's input module must be on the same type of devices, but "
+                             f"input module parameters locate in {types}.")
+        devices = {p.device for p in parameters}
+        if not device_ids or types == {"cpu"} or len(devices) > 1:
+            if device_ids or output_device:
+                raise ValueError("DistributedDataParallel device_ids and output_device arguments only work with "
+                                 "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                                 f"{device_ids}, output_device {output_device}, and module parameters {devices}.")
+            self.device_ids = None
+        else:
+            self.device_ids = [_active().index(d) for d in device_ids]
+        self.module = module
+        self.device = parameters[0].device if parameters else torch.device("cpu")
+
+    def forward(self, *inputs, **kwargs):
+        if self.device_ids:
+            device = torch.device("cuda", self.device_ids[0])
+            inputs, kwargs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs))
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        yield
+
+
 class _Stream:
     """The stream of a stand-in GPU: everything on it has already happened."""
 
@@ -344,6 +388,7 @@ class StandInGPU:
         self.namespaces = list(namespaces)
         self.saved: list[tuple[object, str, object]] = []
         self.mode = _Factories()
+        self.refused: list[DeviceMismatch] = []  # what NCCL would have refused, in order (see for_gloo)
 
     # --- the stand-in's state ------------------------------------------------------------------------
 
@@ -438,7 +483,8 @@ class StandInGPU:
                 "get_rng_state_all": get_rng_state_all, "set_rng_state": set_rng_state,
                 "set_rng_state_all": set_rng_state_all, "is_available": lambda: True,
                 "device_count": lambda: self.count, "current_device": lambda: self.current,
-                "set_device": set_device, "synchronize": lambda device=None: None}
+                "set_device": set_device, "synchronize": lambda device=None: None,
+                "is_current_stream_capturing": lambda: False}  # optimizers ask (torch 2.11)
 
     def _replace(self, owner, name: str, value) -> None:
         self.saved.append((owner, name, getattr(owner, name) if not isinstance(owner, dict) else owner[name]))
@@ -475,6 +521,9 @@ class StandInGPU:
         # A process forked after CUDA started is "in a bad fork": torch.manual_seed then skips the GPUs.
         # A stand-in GPU never started anything, so nothing is bad about the fork.
         self._replace(torch.cuda, "_is_in_bad_fork", lambda: False)
+        originals[id(DistributedDataParallel)] = StandInDDP
+        for owner in (torch.nn.parallel, torch.nn.parallel.distributed):
+            self._replace(owner, "DistributedDataParallel", StandInDDP)
         for namespace in self.namespaces:  # `from torch.cuda import manual_seed_all` in the code judged
             for key, value in list(namespace.items()):
                 if callable(value) and id(value) in originals:
@@ -519,19 +568,35 @@ class StandInGPU:
 
 
 
+def _called_by_learner() -> bool:
+    """Whether the call being made comes from the learner's code rather than from a check's: a check's
+    own messages go on a gloo group of its own, CPU tensors by design, on a GPU machine too."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        folder = Path(frame.f_code.co_filename).parent.name
+        if folder in ("labs", "solutions", "checks"):
+            return folder != "checks"
+        frame = frame.f_back
+    return True
+
+
 def for_gloo(op: str, arguments: dict) -> tuple[dict, DeviceMismatch | None]:
     """The arguments of a collective or send/recv (name -> value), as gloo takes them: each stand-in
     tensor's CPU data (gloo writes into it, so the stand-in tensor sees the result). With the refusal
-    NCCL would make of a tensor not on this rank's GPU (None if there is none, or no stand-in)."""
+    NCCL would make of a tensor not on this rank's GPU (None if there is none, or no stand-in, or when
+    the innermost of the lab's and the check's code calling is a check's), also added to the stand-in's
+    `refused`. It is not raised: the call runs on gloo, so that the ranks whose calls it matches are not
+    left waiting (a check reads `refused` once the function returned: effects.device_problem)."""
     if not _ACTIVE:
         return arguments, None
     gpu, refusals = _ACTIVE[-1], []
+    judged = _called_by_learner()
 
     def unwrap(name):
         def one(value):
             if not isinstance(value, torch.Tensor):
                 return value
-            if value.device != gpu.device and not refusals:
+            if judged and value.device != gpu.device and not refusals:
                 why = ('NCCL refuses it ("Tensors must be CUDA and dense")' if value.device.type == "cpu" else
                        "NCCL works on one GPU per rank")
                 refusals.append(DeviceMismatch(f"dist.{op} got `{name}` on {value.device}, not on this rank's GPU "
@@ -539,7 +604,14 @@ def for_gloo(op: str, arguments: dict) -> tuple[dict, DeviceMismatch | None]:
             return value.held if isinstance(value, StandInTensor) else value
         return one
 
-    unwrapped = {name: tree_map(unwrap(name), value) for name, value in arguments.items()}
+    if "object" in op:  # pickled, stand-in tensors too (StandInTensor.__reduce_ex__); lists filled in place
+        return arguments, None
+    unwrapped = dict(arguments)
+    for name, value in arguments.items():
+        inside = [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+        if inside:  # a new list of the CPU data where there are tensors: gloo writes into that data
+            unwrapped[name] = tree_map(unwrap(name), value)
+    gpu.refused += refusals
     return unwrapped, (refusals[0] if refusals else None)
-__all__ = ["StandInGPU", "StandInDeviceError", "StandInTensor", "DeviceMismatch", "held", "on_stand_in", "origin",
-           "for_gloo"]
+__all__ = ["StandInGPU", "StandInDeviceError", "StandInTensor", "StandInDDP", "DeviceMismatch", "held", "on_stand_in",
+           "origin", "for_gloo"]

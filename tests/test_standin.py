@@ -194,11 +194,8 @@ def _collective_on_the_wrong_device(rank, world_size):
         right = torch.full((2,), float(rank), device=gpu.device)
         dist.all_reduce(right)
         wrong = torch.ones(2)  # on the CPU: NCCL refuses it
-        try:
-            dist.all_reduce(wrong)
-            refused = None
-        except DeviceMismatch as error:
-            refused = str(error)
+        dist.all_reduce(wrong)
+        refused = [str(error) for error in gpu.refused]
         return right.tolist(), refused, wrong.tolist(), [c.device.type for c in recorder.calls]
 
 
@@ -206,6 +203,73 @@ def test_collectives_run_on_the_gpu_data_and_refuse_a_cpu_tensor():
     results = run_ranks(_collective_on_the_wrong_device, 2, timeout=60)
     for right, refused, wrong, devices in results:
         assert right == [1.0, 1.0]
-        assert "dist.all_reduce got `tensor` on cpu, not on this rank's GPU" in refused
-        assert wrong == [2.0, 2.0]  # it ran (no rank is left waiting), then was refused
+        assert len(refused) == 1 and "dist.all_reduce got `tensor` on cpu, not on this rank's GPU" in refused[0]
+        assert wrong == [2.0, 2.0]  # it ran (no rank is left waiting), and is noted as refused
         assert devices == ["cuda", "cpu"]
+
+
+def test_a_cpu_scalar_may_meet_a_gpu_tensor_but_not_be_written_with_it():
+    with StandInGPU(devices=1):
+        total = torch.zeros(3, dtype=torch.float64)  # made without device=: on the CPU
+        with pytest.raises(DeviceMismatch):
+            total[0] += torch.ones(4, device="cuda").sum()  # a 0-d CPU view written with a GPU value
+
+
+def test_ddp_stand_in_refuses_a_model_left_on_the_cpu_and_moves_the_inputs():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with StandInGPU(devices=2, current=1):
+        from torch.nn.parallel import DistributedDataParallel as StoodIn
+        assert StoodIn is not DDP and issubclass(StoodIn, DDP)
+        with pytest.raises(ValueError, match="device_ids and output_device arguments only work"):
+            StoodIn(nn.Linear(2, 2), device_ids=[1])
+        model = StoodIn(nn.Linear(2, 2).to("cuda:1"), device_ids=[1])
+        assert model(torch.ones(3, 2)).device == torch.device("cuda", 1)  # DDP moves the batch
+        with pytest.raises(DeviceMismatch):
+            StoodIn(nn.Linear(2, 2).to("cuda:1"))(torch.ones(3, 2))  # without device_ids it does not
+
+
+def test_a_diagnosis_names_the_function_the_tensor_and_where_it_was_made(tmp_path):
+    """What a check prints for a misplaced tensor: the line of the learner's file that made it."""
+    import importlib.util
+
+    from ringside.effects import device_problem
+
+    (tmp_path / "solutions").mkdir()
+    lab = tmp_path / "solutions" / "99_lab.py"
+    lab.write_text("import torch\n\n\ndef scaled(x):\n    scale = torch.ones(x.shape)\n    return x * scale\n")
+    spec = importlib.util.spec_from_file_location("lab99", lab)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with StandInGPU(devices=1) as gpu:
+        assert device_problem("scaled", module.scaled, torch.ones(2, device=gpu.device))[1] \
+            == ("scaled, run as on a GPU machine: Expected all tensors to be on the same device, but found at least "
+                "two devices, cuda:0 and cpu! - that tensor is made by `scale = torch.ones(x.shape)` "
+                "(solutions/99_lab.py:5) on the cpu: make it where the tensors it works with are (device=x.device, "
+                "torch.empty_like(x), or the `device` argument), or move it there with .to(x.device)")
+        assert device_problem("scaled", module.scaled, torch.ones(2))[1] is None
+
+
+def _batches_objects_and_nesting(rank, world_size):
+    from ringside.calls import Recorder
+
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    with StandInGPU(devices=world_size, current=rank) as gpu, Recorder():
+        out = torch.full((2,), float(rank), device=gpu.device)
+        landing = torch.zeros(2)  # on the CPU: NCCL would refuse the receive
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, landing, left), dist.P2POp(dist.isend, out, right)]):
+            work.wait()  # every op ran: no rank is left waiting
+        names = [None] * world_size
+        dist.all_gather_object(names, out)  # pickled as the stand-in tensor it is
+        with Recorder() as inner:  # a check's recorder inside the stand-in's: unwrapped once
+            dist.all_reduce(out)
+        return (landing.tolist(), [str(e).split(":")[0] for e in gpu.refused], [n.device.type for n in names],
+                out.tolist(), len(inner.calls))
+
+
+def test_a_batch_runs_whole_and_its_misplaced_receive_is_noted():
+    for rank, (landing, refused, names, summed, inner) in enumerate(run_ranks(_batches_objects_and_nesting, 2,
+                                                                               timeout=60)):
+        assert landing == [float(1 - rank)] * 2
+        assert refused == ["dist.irecv got `tensor` on cpu, not on this rank's GPU cuda"]
+        assert names == ["cuda", "cuda"] and summed == [1.0, 1.0] and inner == 1
