@@ -719,11 +719,11 @@ def check_traffic(checks: Checks, me: Rank, calls, numel: int) -> None:
 
 def main(me: Rank, checks: Checks) -> None:
     for check in (check_flatten, check_shard_range, check_average, check_adam, check_gather,
-                  check_moments_follow_params, check_on_gpu):
+                  check_moments_follow_params):
         if not everyone(check(checks, me)):
             return
-    if train_both(checks, me):
-        check_layouts(checks, me)
+    if train_both(checks, me) and check_layouts(checks, me):  # right on the CPU: now as on a GPU machine
+        check_on_gpu(checks, me)
 
 
 def run(**learner) -> None:
