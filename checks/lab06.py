@@ -272,9 +272,9 @@ def check_training_order(checks: Checks, dataset: TensorDataset, seen: list[list
                              "call sampler.set_epoch(epoch) before the epoch's first batch, not after its last"])
         return
     if len(seen) > 1 and seen[1] == seen[0]:
-        checks.expect(False, f"every epoch read the same samples in the same order ({seen[0][:4]}... on this rank): "
-                             f"from epoch 1 on, the global batches replay epoch 0's, so SGD sees the same "
-                             f"batches in the same order every epoch",
+        checks.expect(False, "every epoch read the same samples in the same order: from epoch 1 on, "
+                             "the global batches replay epoch 0's, so SGD sees the same batches in the same order "
+                             "every epoch",
                       steps=["where does the order come from, and what tells it that a new epoch began? "
                              "(section 2 of the notebook)",
                              "DistributedSampler shuffles with seed + epoch, and learns the epoch only from "
