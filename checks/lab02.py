@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, print_ranked, run_lab
 from ringside.calls import DryRun, Recorded, Recorder
-from ringside.effects import device_problem, passed_on_every_rank, rank_gpu
+from ringside.effects import device_problem, never_waited, passed_on_every_rank, rank_gpu, unwaited_diagnosis
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -216,6 +216,15 @@ def halo_mistakes(calls: Recorder, returned, local, width: int, left_halo, right
             found.append(f"start_halo_exchange sends the first {width} elements to the right neighbour and the "
                          f"last {width} to the left: you sent the wrong edge - the first elements are the left "
                          f"neighbour's right halo, so they go left")
+        # At 2 ranks both neighbours are one process and its k-th send meets the other's k-th receive:
+        # posted in this order there, the last edge must meet left_halo (the docstring asks for 2 ranks).
+        edges = ["last" if torch.equal(op["tensor"], local[-width:]) else "first" for op in sends]
+        halos = ["left" if op["ptr"] == left_halo.data_ptr() else "right" for op in recvs]
+        if not found and any((edge == "last") != (halo == "left") for edge, halo in zip(edges, halos)):
+            found.append(f"start_halo_exchange posts its sends in the order {edges} edge and its receives "
+                         f"{halos}_halo: right here, but at 2 ranks (which the docstring asks for) both neighbours "
+                         f"are one process and messages between a pair match in the order posted, so the halos "
+                         f"would come swapped - post each send in the same place as the receive it must meet")
     if any(op["waited"] and "i" in op["kind"] for op in ops):
         found.append("start_halo_exchange waited for its requests before returning: then nothing overlaps - "
                      "return the requests unwaited; the caller computes the interior, then waits")
@@ -381,6 +390,10 @@ def halo_case(me: Rank, checks: Checks, size: int, width: int, show: bool, devic
         return False
     for mistake in seen["mistakes"]:
         checks.fail(mistake)
+    if never_waited(calls.calls):  # read before they arrived: named above, the values say nothing more
+        if not seen["mistakes"]:
+            checks.fail(unwaited_diagnosis("the halo exchange", calls.calls))
+        return False
     if show:
         print_ranked(f"halos {left_halo.tolist()} | {right_halo.tolist()}")
     ok = check_halos(checks, left_halo, right_halo, size, width)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import COLLECTIVES as RECORDED
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import device_problem, passed_on_every_rank, rank_gpu, unwaited_diagnosis
+from ringside.effects import device_problem, narrowed, passed_on_every_rank, rank_gpu, unwaited_diagnosis
 from ringside.lab import ranks_count
 from ringside.standin import DeviceMismatch
 
@@ -33,7 +33,11 @@ COLLECTIVES = tuple(name for name in RECORDED if name != "barrier")  # the lab u
 def rank_tensor(rank: int, shape: tuple, dtype: torch.dtype, case: int, device: torch.device) -> torch.Tensor:
     """Each rank's own input: seeded, different on every rank and in every case, never SENTINEL."""
     g = torch.Generator().manual_seed(1000 * case + rank)
-    return (torch.randint(0, 100, shape, generator=g).to(dtype) + 1000 * rank + 1).to(device)
+    values = torch.randint(0, 100, shape, generator=g).to(dtype) + 1000 * rank + 1
+    # float64 with low bits and int64 past 2**24, which float32 cannot hold: a dtype not kept shows
+    if dtype == torch.int64:
+        values = values * 2 ** 30 + 1
+    return (values + (1 / 3 if dtype == torch.float64 else 0)).to(device)
 
 
 def who_holds(t: torch.Tensor, inputs: list[torch.Tensor]) -> str:
@@ -43,6 +47,11 @@ def who_holds(t: torch.Tensor, inputs: list[torch.Tensor]) -> str:
             return f"rank {r}'s tensor"
     if (t == SENTINEL).all():
         return "nothing (never written)"
+    for r, x in enumerate(inputs):
+        through = narrowed(t.cpu(), x.cpu())
+        if through is not None:
+            return (f"rank {r}'s tensor rounded to {str(through)[6:]} (a {str(x.dtype)[6:]} tensor must travel as "
+                    f"it is: send and receive the caller's tensor, in its own dtype)")
     return "values that are no rank's tensor"
 
 
@@ -165,14 +174,15 @@ def check_broadcast(checks: Checks, inputs: list[torch.Tensor], what: str) -> No
         if torch.equal(mine, theirs):
             checks.expect(True, "")
             continue
-        checks.fail(f"broadcast from rank {src} of {what}: this rank holds {who_holds(mine, inputs)}, "
-                    f"expected rank {src}'s tensor: {broadcast_hint(holders, rank, src)}")
+        held = who_holds(mine, inputs)
+        checks.fail(f"broadcast from rank {src} of {what}: this rank holds {held}" + (
+            "" if "rounded" in held else f", expected rank {src}'s tensor: {broadcast_hint(holders, rank, src)}"))
 
 
 def broadcast_hint(holders: list[int | None], rank: int, src: int) -> str:
     """The likely mistake when rank r holds rank holders[r]'s tensor after a broadcast from `src`."""
     others = [r for r in range(len(holders)) if r not in (src, 0)]
-    if src != 0 and others and all(holders[r] == 0 for r in others):
+    if src != 0 and (others or holders[src] == 0) and all(holders[r] == 0 for r in others + [src]):
         return f"the ranks got rank 0's tensor, but the root is rank {src}: send from (and receive from) `src`, not 0"
     receivers = [r for r in range(len(holders)) if r != src]
     if rank != src and all(holders[r] == r for r in receivers):

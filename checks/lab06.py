@@ -266,13 +266,19 @@ def check_training_order(checks: Checks, dataset: TensorDataset, seen: list[list
                         f"ranks cut one shared permutation")
             return
     if len(seen) > 2 and seen[1] == seen[0] and seen[2] != seen[1]:
-        checks.fail("epoch 1 read epoch 0's order, epoch 2 a new one: set_epoch is called, but too late - "
-                    "call sampler.set_epoch(epoch) before the epoch's first batch, not after its last")
+        checks.expect(False, "epoch 1 read epoch 0's samples in epoch 0's order, epoch 2 a new order: each new order "
+                             "arrives one epoch late",
+                      steps=["the sampler learns the epoch from the loop: when does the loader read it?",
+                             "call sampler.set_epoch(epoch) before the epoch's first batch, not after its last"])
         return
     if len(seen) > 1 and seen[1] == seen[0]:
-        checks.fail("read the same samples in the same order in epoch 0 and epoch 1: the loop never "
-                    "calls sampler.set_epoch(epoch), or calls it with the same number every epoch (or builds "
-                    "a new sampler each epoch), so every epoch shuffles with the same seed")
+        checks.expect(False, "every epoch read the same samples in the same order: from epoch 1 on, "
+                             "the global batches replay epoch 0's, so SGD sees the same batches in the same order "
+                             "every epoch",
+                      steps=["where does the order come from, and what tells it that a new epoch began? "
+                             "(section 2 of the notebook)",
+                             "DistributedSampler shuffles with seed + epoch, and learns the epoch only from "
+                             "sampler.set_epoch(epoch), called every epoch on the sampler the loader uses"])
         return
     for epoch, order in enumerate(seen):
         want = reference(n, world_size, rank, epoch, True, 0, False)

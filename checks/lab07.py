@@ -15,6 +15,7 @@ from torch import nn
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
 from ringside.compare import max_diff
+from ringside.effects import on_rank_gpu
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -729,6 +730,22 @@ def main(me: Rank, checks: Checks) -> None:
     check_options(checks, options, me.rank, me.world_size)
     if not checks.failures:  # the same on every rank: each makes the same collectives
         check_other_shapes(checks, me.rank, me.world_size, me.device)
+    if not checks.failures:
+        check_on_gpu(checks, me)
+
+
+def check_on_gpu(checks: Checks, me: Rank) -> bool:
+    """global_channel_stats run again as on a GPU machine (ringside.effects.on_rank_gpu), x on this rank's
+    stand-in GPU: what it all-reduces and returns stays there. (SyncBatchNormFunction is an autograd
+    Function, which the stand-in does not record: its device is not checked here.)"""
+    x = torch.arange(2 * CHANNELS * 9, dtype=torch.float32).reshape(2, CHANNELS, 3, 3) + me.rank
+    problem, note = on_rank_gpu("global_channel_stats", lambda device: lab.global_channel_stats(x.to(device)),
+                                lab.global_channel_stats)
+    ok = checks.agree(problem)
+    if ok or note:
+        print0(note or "global_channel_stats, run as on a GPU machine: its tensors stay on the GPU (the autograd "
+                       "Function's own tensors are not checked there)")
+    return ok
 
 
 def run(**learner) -> None:

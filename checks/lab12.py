@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
 from ringside.compare import all_gather_tensor, flat_params, max_diff
-from ringside.effects import changed_in_flight
+from ringside.effects import changed_in_flight, on_rank_gpu
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -563,12 +563,28 @@ def main(me: Rank, checks: Checks) -> None:
     if checks.passed:  # right on the lab's model: now on ones unlike it
         if check_probe(checks, me):
             check_out_of_order(checks, me, torch.randn(6, 5, generator=torch.Generator().manual_seed(me.rank)).to(me.device))
+    if checks.passed:
+        check_on_gpu(checks, me, windows[0])
     launches = sum(e[0] == "launch" for e in events)
     print0(f"{lab.WINDOWS} steps of {lab.ACCUM} micro-batches: {launches} all-reduces on rank 0 "
            f"({len(buckets)} per step; without no_sync, {lab.ACCUM * len(buckets)} per step)")
     print0(f"(torch's DDP launches {1 + (lab.WINDOWS - 1) * len(buckets)} for the same schedule with {len(buckets)} "
            f"buckets, as in chapter 12's check-yourself: its first communicating backward puts every gradient in "
            f"one bucket and only then rebuilds, while HandDDP has its buckets from the start)")
+
+
+def check_on_gpu(checks: Checks, me: Rank, window: list) -> bool:
+    """One window of HandDDP run again as on a GPU machine (ringside.effects.on_rank_gpu): the model on
+    this rank's stand-in GPU; what its buckets hand the all-reduces, and the gradients, stay there."""
+    def run(device: torch.device):
+        hand = lab.HandDDP(lab.make_model().to(device))
+        lab.train(hand, [window], device, events=[], after_first=lambda: None)
+        return list(hand.parameters())
+
+    problem, note = on_rank_gpu("HandDDP", run, lab.HandDDP, lab.train, what="a parameter")
+    if note:
+        print0(note)
+    return checks.agree(problem)
 
 
 def run(**learner) -> None:

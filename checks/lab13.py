@@ -21,13 +21,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
+from ringside.effects import Contract, ignored, on_rank_gpu, watch
 from ringside.compare import all_gather_tensor, flat_grads, flat_params, max_diff
-from ringside.lab import ranks_count
+from ringside.lab import everyone, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
 
 # --- The check ------------------------------------------------------------------------------------
+
+# What each function promises besides its values (ringside.effects checks it on every watched call).
+AVERAGE = Contract("average_grad_shard", like="flat_grad")
+ADAM = Contract("adam_update", changes=("param", "exp_avg", "exp_avg_sq"),
+                honours={"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-3})
+GATHER = Contract("gather_params", changes=("params",))
 
 @contextmanager
 def counting_collectives():
@@ -47,13 +54,6 @@ def ring_bytes_sent(calls, world_size: int) -> float:
     """Bytes each rank sends for these calls if every collective runs as a ring."""
     share = (world_size - 1) / world_size
     return sum((2 * share if name == "all_reduce" else share) * size for name, size in calls)
-
-
-def everyone(ok: bool, device: torch.device) -> bool:
-    """True when `ok` holds on every rank: all ranks then go on to the next check together."""
-    flag = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def check_flatten(checks: Checks, me: Rank) -> bool:
@@ -133,8 +133,10 @@ def check_average(checks: Checks, me: Rank) -> bool:
     n = -(-37 // me.world_size) * me.world_size
     torch.manual_seed(lab.SEED)
     everyones = torch.randn(me.world_size, n)  # rank r's gradient is row r: the check knows them all
-    with counting_collectives() as calls:
-        shard = lab.average_grad_shard(everyones[me.rank].to(me.device)).cpu()
+    seen = watch(AVERAGE, lab.average_grad_shard, everyones[me.rank].to(me.device), namespaces=lab_namespaces(lab))
+    if seen.problem:  # a request never waited for, the caller's gradient changed: named before any value
+        return checks.expect(False, seen.problem)
+    shard, calls = seen.result.cpu(), [(c.op, c.whole_bytes) for c in seen.calls]
     size = n // me.world_size
     expected = everyones.mean(dim=0)[me.rank * size:(me.rank + 1) * size]
     names = [name for name, _ in calls]
@@ -173,38 +175,61 @@ def check_average(checks: Checks, me: Rank) -> bool:
 
 
 def check_adam(checks: Checks, me: Rank) -> bool:
-    """Your adam_update against torch.optim.Adam on one tensor, for three steps: the moments first,
-    then the weights."""
+    """Your adam_update against torch.optim.Adam on one tensor, for three steps, at the lab's
+    hyper-parameters and at others (an argument read from a constant instead shows there)."""
+    wrong = adam_mistake(me, lab.LR, lab.BETAS, lab.EPS)
+    other = ADAM.honours
+    if wrong is None and adam_mistake(me, other["lr"], other["betas"], other["eps"]):
+        start, grad = torch.randn(50, generator=torch.Generator().manual_seed(3)), torch.full((50,), 1e-4)
+
+        def moved(a: dict) -> torch.Tensor:
+            lab.adam_update(*a.values())
+            return a["param"]
+        names = ignored(moved, dict(param=start.to(me.device), grad=grad.to(me.device), exp_avg=torch.zeros_like(start),
+                                    exp_avg_sq=torch.zeros_like(start), t=1, lr=lab.LR, betas=lab.BETAS, eps=lab.EPS),
+                        other)
+        wrong = (f"adam_update ignores its argument(s) {', '.join(names)}: called with "
+                 f"{', '.join(f'{k}={other[k]}' for k in names)} it moves param exactly as with the lab's "
+                 f"{', '.join(f'{k}={v}' for k, v in zip(('lr', 'betas', 'eps'), (lab.LR, lab.BETAS, lab.EPS)) if k in names)}"
+                 f" - use the values it is given (ShardedAdam may have others)" if names else
+                 f"adam_update is torch.optim.Adam's at lr={lab.LR}, betas={lab.BETAS}, eps={lab.EPS}, but differs "
+                 f"from it at lr={other['lr']}, betas={other['betas']}, eps={other['eps']}")
+    return checks.expect(wrong is None, wrong or "")
+
+
+def adam_mistake(me: Rank, lr: float, betas: tuple[float, float], eps: float) -> str | None:
     torch.manual_seed(lab.SEED + 1)
     # Gradients from 1e-6 to 1 in size: where grad**2 is as small as eps, eps's place in the formula shows.
     scale = 10.0 ** torch.linspace(-6, 0, 50)
     start, grads = torch.randn(50), [torch.randn(50) * scale for _ in range(3)]
     reference = nn.Parameter(start.clone())
-    adam = torch.optim.Adam([reference], lr=lab.LR, betas=lab.BETAS, eps=lab.EPS)
+    adam = torch.optim.Adam([reference], lr=lr, betas=betas, eps=eps)
     param = start.clone().to(me.device)
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     for t, grad in enumerate(grads, start=1):
         reference.grad = grad.clone()
         adam.step()
         before = param.cpu().clone()  # .cpu() of a CPU tensor is that tensor, which adam_update moves
-        lab.adam_update(param, grad.to(me.device), exp_avg, exp_avg_sq, t, lab.LR, lab.BETAS, lab.EPS)
+        seen = watch(ADAM, lab.adam_update, param, grad.to(me.device), exp_avg, exp_avg_sq, t, lr, betas, eps)
+        if seen.problem:
+            return seen.problem
         if torch.isnan(param).any():
-            return checks.expect(False, f"adam_update made NaN at step {t}: is the bias correction 1 - beta**t "
-                                        f"with t >= 1 (1 - beta**0 = 0)?")
+            return (f"adam_update made NaN at step {t}: is the bias correction 1 - beta**t "
+                    f"with t >= 1 (1 - beta**0 = 0)?")
         state = adam.state[reference]
-        wrong = moments_mistake(exp_avg.cpu(), exp_avg_sq.cpu(), state, scale, t)
+        wrong = moments_mistake(exp_avg.cpu(), exp_avg_sq.cpu(), state, scale, t, betas)
         if wrong:
-            return checks.expect(False, wrong)
+            return wrong
         # Tolerance: the same formula in float32, perhaps in another order: about 1e-7 relative on
         # weights of about 1; a wrong formula moves them by about LR = 1e-2.
         gap = max_diff(param.cpu(), reference.detach())
         if gap > 1e-6:
-            return checks.expect(False, f"adam_update differs from torch.optim.Adam by {gap:.2e} after step {t} "
-                                        f"(tolerance 1e-6): {update_mistake(before, param.cpu(), state, t)}")
-    return checks.expect(True, "")
+            return (f"adam_update differs from torch.optim.Adam by {gap:.2e} after step {t} (tolerance 1e-6): "
+                    f"{update_mistake(before, param.cpu(), state, t, lr, betas, eps)}")
+    return None
 
 
-def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
+def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int, betas) -> str | None:
     """What is wrong with the moments after step t, or None when they are torch.optim.Adam's."""
     # Tolerance: 1e-5 relative to the element's own size and its gradient's (float32 rounding is
     # about 1e-7 of the terms added, even where they nearly cancel).
@@ -215,7 +240,7 @@ def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
     if untouched:
         return (f"after adam_update {' and '.join(untouched)} still hold zeros: `exp_avg = ...` makes a new tensor "
                 f"the optimizer never sees - update the moments in place (exp_avg.lerp_, exp_avg_sq.mul_().addcmul_)")
-    beta1, beta2 = lab.BETAS
+    beta1, beta2 = betas
 
     def why(mine, theirs, beta, other, size, name) -> str:
         # Each known mistake scales Adam's moment by a factor that step 1 (from zeros) shows alone.
@@ -237,21 +262,21 @@ def moments_mistake(exp_avg, exp_avg_sq, state, scale, t: int) -> str | None:
     return None
 
 
-def update_mistake(before, after, state, t: int) -> str:
+def update_mistake(before, after, state, t: int, lr, betas, eps) -> str:
     """Which known wrong update of the weights turns `before` into `after`, from the right moments."""
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    correction1, correction2 = 1 - lab.BETAS[0] ** t, (1 - lab.BETAS[1] ** t) ** 0.5
+    correction1, correction2 = 1 - betas[0] ** t, (1 - betas[1] ** t) ** 0.5
     known = (
         ("adam_update did not move param: `param = ...` rebinds the name only - move it in place "
          "(param.addcdiv_ or param.sub_)", before),
         ("the bias correction is missing: divide the step by 1 - beta1**t and sqrt(v) by sqrt(1 - beta2**t)",
-         before - lab.LR * m / (v.sqrt() + lab.EPS)),
+         before - lr * m / (v.sqrt() + eps)),
         ("the step goes uphill: subtract the update from param (value=-step_size), do not add it",
-         before + lab.LR / correction1 * m / (v.sqrt() / correction2 + lab.EPS)),
+         before + lr / correction1 * m / (v.sqrt() / correction2 + eps)),
         ("eps belongs outside the square root: sqrt(v / (1 - beta2**t)) + eps",
-         before - lab.LR / correction1 * m / (v / correction2 ** 2 + lab.EPS).sqrt()),
+         before - lr / correction1 * m / (v / correction2 ** 2 + eps).sqrt()),
         ("add eps after the bias correction: sqrt(v) / sqrt(1 - beta2**t) + eps, not (sqrt(v) + eps) / sqrt(...)",
-         before - lab.LR / correction1 * m / ((v.sqrt() + lab.EPS) / correction2)),
+         before - lr / correction1 * m / ((v.sqrt() + eps) / correction2)),
     )
     for why, then in known:
         if max_diff(after, then) <= 1e-6:
@@ -280,6 +305,13 @@ def check_gather(checks: Checks, me: Rank) -> bool:
                     if "size" in text or "shape" in text else "")
             return checks.expect(False, f"gather_params raised RuntimeError: {text}{hint}")
     got = flat_params(nn.ParameterList(params))
+    if not any(name.startswith("all_gather") for name, _ in calls) and torch.equal(got, expected):
+        sent, gather = ring_bytes_sent(calls, me.world_size), ring_bytes_sent([("all_gather", size * me.world_size * 4)],
+                                                                              me.world_size)
+        return checks.expect(sent <= gather, f"gather_params gives every rank every shard, but with {[n for n, _ in calls]}: "
+                                             f"{sent:.0f} bytes sent per rank on a ring where one all-gather of the "
+                                             f"shards sends {gather:.0f} ({sent / gather:.2g}x) - all-gather the "
+                                             f"updated shards (dist.all_gather_into_tensor)")
     if not any(name.startswith("all_gather") for name, _ in calls):
         return checks.expect(False, f"gather_params made no all-gather (calls seen: {[n for n, _ in calls] or 'none'}): "
                                     f"each rank updated only its own shard, the others stay stale - all-gather "
@@ -416,6 +448,27 @@ def check_moments_follow_params(checks: Checks, me: Rank) -> bool:
     return True
 
 
+def check_on_gpu(checks: Checks, me: Rank) -> bool:
+    """ShardedAdam run again as on a GPU machine (ringside.effects.on_rank_gpu): parameters on this rank's
+    stand-in GPU, built and stepped once; its moments and the parameters must stay on that device."""
+    def run(device: torch.device):
+        generator = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(7, generator=generator).to(device)),
+                  nn.Parameter(torch.randn(3, generator=generator).to(device))]
+        optimizer = lab.ShardedAdam(params)
+        moments = [getattr(optimizer, name, None) for name in ("exp_avg", "exp_avg_sq")]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return [m for m in moments if isinstance(m, torch.Tensor)] + params
+
+    problem, note = on_rank_gpu("ShardedAdam", run, lab.ShardedAdam, lab.adam_update,
+                                what="a moment (or a parameter after step)")
+    if note:
+        print0(note)
+    return checks.expect(problem is None, problem or "")
+
+
 def layouts(world_size: int) -> list[tuple[str, list[tuple[int, ...]], set, set, torch.dtype]]:
     """(what it is, shapes, indices frozen, indices that get no gradient, dtype), smallest first."""
     return sorted([
@@ -469,7 +522,7 @@ def check_layouts(checks: Checks, me: Rank) -> bool:
             wrong = layout_mistake(me, *layout)
         except WrongShardSize as error:
             wrong = str(error)
-        if not everyone(wrong is None, me.device):
+        if not everyone(wrong is None):
             return checks.expect(False, wrong) if wrong else False
     return checks.expect(True, "")
 
@@ -489,7 +542,7 @@ def train_both(checks: Checks, me: Rank) -> bool:
             adam_bytes = sum(s[k].numel() * s[k].element_size() for s in adam.state.values()
                              for k in ("exp_avg", "exp_avg_sq"))
             wrong = moments_shape_mistake(optimizer, optimizer.stop - optimizer.start)
-            if not everyone(checks.expect(wrong is None, wrong or ""), me.device):
+            if not everyone(checks.expect(wrong is None, wrong or "")):
                 return
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()      # this rank's gradient only: your step averages
@@ -507,7 +560,7 @@ def train_both(checks: Checks, me: Rank) -> bool:
         if step == 1:
             check_traffic(checks, me, calls, optimizer.numel)
             # After the first step: an optimizer that builds its state lazily (an inner torch.optim.Adam) has it now.
-            if not everyone(check_state(checks, me, optimizer, model, adam_bytes), me.device):
+            if not everyone(check_state(checks, me, optimizer, model, adam_bytes)):
                 return
         mine = flat_params(model)
         if torch.isnan(mine).any():
@@ -515,7 +568,7 @@ def train_both(checks: Checks, me: Rank) -> bool:
                         f"t = 0 - count the step before the update (the first step has t = 1)")
             return
         wrong = step_mistake(me, optimizer, model, reference, step, before, calls, updates)
-        if not everyone(wrong is None, me.device):
+        if not everyone(wrong is None):
             if wrong:
                 checks.fail(wrong)
             return
@@ -539,7 +592,7 @@ def train_both(checks: Checks, me: Rank) -> bool:
     counted = checks.expect(optimizer.steps == lab.STEPS, f"ShardedAdam.steps is {optimizer.steps} after {lab.STEPS} steps: "
                   f"count every step (Adam's bias correction needs it)")
     print0(f"{lab.STEPS} steps: weights equal to DDP + torch.optim.Adam to within 1e-5 on {ranks_count(me.world_size)}")
-    return everyone(counted, me.device)
+    return everyone(counted)
 
 
 class WrongShardSize(Exception):
@@ -667,10 +720,10 @@ def check_traffic(checks: Checks, me: Rank, calls, numel: int) -> None:
 def main(me: Rank, checks: Checks) -> None:
     for check in (check_flatten, check_shard_range, check_average, check_adam, check_gather,
                   check_moments_follow_params):
-        if not everyone(check(checks, me), me.device):
+        if not everyone(check(checks, me)):
             return
-    if train_both(checks, me):
-        check_layouts(checks, me)
+    if train_both(checks, me) and check_layouts(checks, me):  # right on the CPU: now as on a GPU machine
+        check_on_gpu(checks, me)
 
 
 def run(**learner) -> None:

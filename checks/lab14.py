@@ -12,6 +12,8 @@ that job as it was handed over, with the tools of chapter 14 on, and says where 
 
 from __future__ import annotations
 
+import dataclasses
+
 import faulthandler
 import hashlib
 import inspect
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, run_lab
+from ringside.effects import on_rank_gpu
 from ringside.lab import ranks_label
 from ringside.launch import ROOT
 from ringside.runtime import finish
@@ -564,10 +567,24 @@ def main(me: Rank, checks: Checks) -> None:
         if not ran or not everyone_returned(fixed, me, checks):  # the group is broken: fix this job first
             return
         check(me, checks, result)
-    if checks.failures:
+    if checks.failures or not check_on_gpu(me, checks):
         return
     print0(f"the three fixed jobs match their single-process references on {me.world_size} ranks")
     check_diagnoses(me, checks)
+
+
+def check_on_gpu(me: Rank, checks: Checks) -> bool:
+    """The three fixed jobs run again as on a GPU machine (ringside.effects.on_rank_gpu): `me.device` is
+    this rank's stand-in GPU and the backend nccl, so a tensor a job makes elsewhere, or hands a
+    collective off that GPU, is named as a GPU run would show it. One verdict for every rank."""
+    for job in (lab.job1_fixed, lab.job2_fixed, lab.job3_fixed):
+        problem, note = on_rank_gpu(job.__name__, lambda device: job(dataclasses.replace(
+            me, backend="nccl", device=device)), job, what="what it returned")
+        if note:
+            print0(note)
+        if not checks.agree(problem):
+            return False
+    return True
 
 
 def prepared_for(world_size: int) -> str | None:

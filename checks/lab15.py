@@ -17,6 +17,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
+from ringside.effects import on_rank_gpu
 from ringside.lab import known_cause, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -515,6 +516,25 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
     return True
 
 
+def check_on_gpu(checks: Checks, group) -> bool:
+    """hierarchical_all_reduce run again as on a GPU machine (ringside.effects.on_rank_gpu), on the first
+    layout with several ranks per host (or the first): every buffer it hands a collective must be on this
+    rank's GPU, as NCCL requires, and the sum comes back there."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts_n, per_host = layouts(world)[0]
+    hosts, peers = expected_layout(hosts_n * per_host, per_host)
+    made = {tuple(r): dist.new_group(r) for r in hosts + peers}  # every rank creates every group
+    problem = note = None
+    if rank < hosts_n * per_host:
+        host_group, peer_group = made[tuple(hosts[rank // per_host])], made[tuple(peers[rank % per_host])]
+        problem, note = on_rank_gpu("hierarchical_all_reduce", lambda device: lab.hierarchical_all_reduce(
+            example(rank, (per_host * 4 + 1,), torch.float32).to(device), host_group, peer_group),
+            lab.hierarchical_all_reduce)
+    if note:
+        print0(note)
+    return checks.agree(problem, group)
+
+
 def check_training(checks: Checks, per_host: int, device: torch.device) -> None:
     world = dist.get_world_size()
     groups = lab.make_groups(world, per_host)
@@ -538,7 +558,8 @@ def main(me: Rank, checks: Checks) -> None:
                "so the traffic across hosts is not checked: run on 4 ranks too")
     per_host = lab.ranks_per_host(me.world_size)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))  # the check's own messages
-    if check_layout(checks) and check_groups(checks) and check_all_reduce(checks, group, me.device):
+    if check_layout(checks) and check_groups(checks) and check_all_reduce(checks, group, me.device) and \
+            check_on_gpu(checks, group):
         check_training(checks, per_host, me.device)
 
 

@@ -30,8 +30,8 @@ from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import Inputs, storage_excess
-from ringside.lab import ranks_count
+from ringside.effects import Inputs, on_rank_gpu, storage_excess
+from ringside.lab import everyone, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -82,27 +82,6 @@ def alive_outputs(calls) -> list[torch.Tensor]:
         del alive
         time.sleep(0.01)
     return [t for c in watched for t in outputs_of(c)]
-
-
-def everyone(ok: bool) -> bool:
-    """True when `ok` holds on every rank: all ranks then go on to the next check together."""
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def settle(checks: Checks, wrong, diagnose=None) -> bool:
-    """One verdict for every rank: FAIL when `wrong` is a message on any rank. After a FAIL, and only
-    then, `diagnose()` runs on every rank (it may call collectives) and may name the cause. `wrong` is
-    a message, or (what was observed, what to look at when the diagnosis names nothing)."""
-    if everyone(wrong is None):
-        return checks.expect(True, "")
-    named = diagnose() if diagnose is not None else None
-    if isinstance(wrong, tuple):
-        checks.fail(f"{wrong[0]}: {named or wrong[1]}")
-    elif wrong:
-        checks.fail(f"{wrong}{f' ({named})' if named else ''}")
-    return False
 
 
 def scale_mistake(got: torch.Tensor, want: torch.Tensor, world_size: int, what: str, fix_sum: str) -> str | None:
@@ -206,7 +185,7 @@ def check_shard_of(checks: Checks, me: Rank) -> bool:
         wrong = shard_of_mistake(numel, n_ranks)
         if wrong:
             break
-    return settle(checks, wrong)
+    return checks.settle(wrong)
 
 
 def check_all_gather(checks: Checks, me: Rank) -> bool:
@@ -235,7 +214,7 @@ def check_all_gather(checks: Checks, me: Rank) -> bool:
                          f"order: {want.to(dtype).float().tolist()}")
             elif not torch.equal(shard, kept):
                 wrong = "all_gather_flat changed the shard it was given: the shard is the master weight, leave it"
-            if not settle(checks, wrong):
+            if not checks.settle(wrong):
                 return False
     return True
 
@@ -272,9 +251,25 @@ def check_average(checks: Checks, me: Rank) -> bool:
                         f"{(shard - want).abs().max():.2e}: rank r must get the r-th piece")
         elif not torch.equal(mine, everyones[me.rank]):
             wrong = "average_shard changed the gradient it was given: leave the caller's tensor as it is"
-        if not settle(checks, wrong):
+        if not checks.settle(wrong):
             return False
     return True
+
+
+def check_on_gpu(checks: Checks, me: Rank) -> bool:
+    """shard_of, all_gather_flat and average_shard run again as on a GPU machine (ringside.effects.on_rank_gpu),
+    their inputs on this rank's stand-in GPU: what they hand the collectives and what they return stay there."""
+    def run(device: torch.device):
+        flat = (torch.arange(13.0) + me.rank).to(device)
+        shard = lab.shard_of(flat, me.rank, me.world_size)
+        full_grad = torch.arange(3.0 * me.world_size).to(device, BF16)  # a padded length: it divides
+        return [shard, lab.all_gather_flat(shard, BF16), lab.average_shard(full_grad)]
+
+    problem, note = on_rank_gpu("shard_of, all_gather_flat and average_shard", run, lab.all_gather_flat,
+                                lab.average_shard, lab.shard_of)
+    if note:
+        print0(note)
+    return checks.settle(problem)
 
 
 # --- The wrapper ---------------------------------------------------------------------------------
@@ -570,12 +565,12 @@ def reference_grads(make, data, model_state: dict | None, dtype) -> tuple[dict, 
 def first_step(checks: Checks, me: Rank, wrapped, plan, x, y, dtype, expected: dict, local: dict) -> bool:
     """The first step's forward, backward and gradient sync, watched, then its gradients compared."""
     forward, backward = [], []
-    if not settle(checks, step_watched(me, wrapped, x, y, dtype, forward, backward),
+    if not checks.settle(step_watched(me, wrapped, x, y, dtype, forward, backward),
                   lambda: probe_saved_tensors(wrapped)):
         return False
-    if not settle(checks, synced(me, wrapped, counted=True)):
+    if not checks.settle(synced(me, wrapped, counted=True)):
         return False
-    return settle(checks, compare_grads(me, wrapped, plan, expected, local), lambda: probe_saved_tensors(wrapped))
+    return checks.settle(compare_grads(me, wrapped, plan, expected, local), lambda: probe_saved_tensors(wrapped))
 
 
 def padding_mistake(me: Rank, wrapped) -> str | None:
@@ -619,7 +614,7 @@ def train(checks: Checks, me: Rank) -> bool:
     global batch."""
     plan = unit_plan(lab.make_model())
     wrapped = lab.FullyShardedDP(lab.make_model())
-    if not settle(checks, shards_mistake(me, wrapped, plan, None)):
+    if not checks.settle(shards_mistake(me, wrapped, plan, None)):
         return False
     reference = lab.make_model()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lab.LR, momentum=lab.MOMENTUM)
@@ -641,10 +636,10 @@ def train(checks: Checks, me: Rank) -> bool:
         else:
             F.cross_entropy(wrapped(mine_x).float(), mine_y).backward()
             wrapped.finish_gradient_sync()
-        if not settle(checks, padding_mistake(me, wrapped)):
+        if not checks.settle(padding_mistake(me, wrapped)):
             return False
         opt.step()
-        if not settle(checks, full_parameters_mistake(me, wrapped, reference, None, exact=False)):
+        if not checks.settle(full_parameters_mistake(me, wrapped, reference, None, exact=False)):
             return False
         full = wrapped.full_parameters()
         gap = max((full[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters())
@@ -657,12 +652,12 @@ def train(checks: Checks, me: Rank) -> bool:
         if gap > limit:
             wrong = (f"after step {step + 1} the weights differ from one process on the global batch by {gap:.2e} "
                      f"(tolerance {limit:g}{': 1 rank does the same float operations' if limit == 0 else ''})")
-        if not settle(checks, wrong):
+        if not checks.settle(wrong):
             return False
         if step == 0:
             same = [None] * me.world_size
             dist.all_gather_object(same, {n: t.sum().item() for n, t in full.items()})
-            if not settle(checks, "full_parameters() differs between the ranks" if any(s != same[0] for s in same)
+            if not checks.settle("full_parameters() differs between the ranks" if any(s != same[0] for s in same)
                           else None):
                 return False
     print0(f"{lab.STEPS} steps of SGD with momentum at {ranks_count(me.world_size)}: weights equal to one process on "
@@ -675,9 +670,9 @@ def mixed_precision(checks: Checks, me: Rank) -> bool:
     full_parameters() still the float32 master weights."""
     plan = unit_plan(lab.make_model())
     wrapped = lab.FullyShardedDP(lab.make_model(), BF16)
-    if not settle(checks, shards_mistake(me, wrapped, plan, BF16)):
+    if not checks.settle(shards_mistake(me, wrapped, plan, BF16)):
         return False
-    if not settle(checks, full_parameters_mistake(me, wrapped, lab.make_model(), BF16)):
+    if not checks.settle(full_parameters_mistake(me, wrapped, lab.make_model(), BF16)):
         return False
     _, _, data = global_batch(0, me.world_size)
     expected, local = reference_grads(lab.make_model, data, None, BF16)
@@ -723,17 +718,17 @@ def corners(checks: Checks, me: Rank, dtype) -> bool:
             for _ in range(me.world_size)]
     plan = unit_plan(make_corner_model(), own=True)
     wrapped = lab.FullyShardedDP(make_corner_model(), dtype)
-    if not settle(checks, shards_mistake(me, wrapped, plan, dtype)):
+    if not checks.settle(shards_mistake(me, wrapped, plan, dtype)):
         return False
     expected, local = reference_grads(make_corner_model, data, None, dtype)
     x, y = data[me.rank]
     if not first_step(checks, me, wrapped, plan, x, y, dtype, expected, local[me.rank]):
         return False
-    return settle(checks, full_parameters_mistake(me, wrapped, make_corner_model(), dtype))
+    return checks.settle(full_parameters_mistake(me, wrapped, make_corner_model(), dtype))
 
 
 def main(me: Rank, checks: Checks) -> None:
-    for check in (check_shard_of, check_all_gather, check_average):
+    for check in (check_shard_of, check_all_gather, check_average, check_on_gpu):
         if not check(checks, me):
             return
     if train(checks, me) and corners(checks, me, None) and mixed_precision(checks, me) and corners(checks, me, BF16):

@@ -29,37 +29,15 @@ from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import Inputs, never_waited, unwaited_diagnosis
-from ringside.lab import ranks_count
+from ringside.effects import Contract, Inputs, never_waited, on_rank_gpu, unwaited_diagnosis, watch
+from ringside.lab import everyone, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
 
-def everyone(ok: bool) -> bool:
-    """True when `ok` holds on every rank: all ranks then go on to the next check together."""
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def settle(checks: Checks, wrong: str | None) -> bool:
-    """One verdict for every rank: FAIL when `wrong` is a message on any rank."""
-    if everyone(wrong is None):
-        return checks.expect(True, "")
-    if wrong:
-        checks.fail(wrong)
-    return False
-
-
-def recorded(fn, *args):
-    """fn(*args) with its communication recorded; what it left in flight is waited for afterwards (by the
-    check: the learner's code is still told it never waited), so the ranks stay in step."""
-    with Recorder(namespaces=lab_namespaces(lab), snapshot=True) as recorder:
-        result = fn(*args)
-    for call in never_waited(recorder.calls):
-        if call.work is not None:
-            call.work.wait()
-    return result, recorder.calls
+# What each function promises besides its values (ringside.effects checks it on every watched call).
+AVERAGE = Contract("average_pseudo_gradient", like="params")
+SYNC = Contract("sync()")
 
 
 def traffic_mistake(name: str, calls, params) -> str | None:
@@ -94,13 +72,10 @@ def check_average(checks: Checks, me: Rank) -> bool:
         anchor = odd_tensors(1, dtype)
         everyones = [[a - m for a, m in zip(anchor, odd_tensors(10 + r, dtype, 0.1))] for r in range(me.world_size)]
         params = [nn.Parameter(t.clone()) for t in everyones[me.rank]]
-        inputs = Inputs(anchor=anchor, params=params)
-        got, calls = recorded(lab.average_pseudo_gradient, anchor, params)
+        seen = watch(AVERAGE, lab.average_pseudo_gradient, anchor, params, namespaces=lab_namespaces(lab))
+        got = seen.result
         want = [torch.stack([a - ps[i] for ps in everyones]).mean(0) for i, a in enumerate(anchor)]
-        wrong = traffic_mistake("average_pseudo_gradient", calls, params)
-        if wrong is None and inputs.changed():
-            wrong = (f"average_pseudo_gradient changed its {inputs.changed()[0]}: the anchor and the parameters are "
-                     f"the caller's - compute the difference into a new tensor, then all-reduce that")
+        wrong = traffic_mistake("average_pseudo_gradient", seen.calls, params) or seen.problem
         if wrong is None:
             shapes = [(tuple(g.shape), g.dtype) for g in got]
             if shapes != [(tuple(w.shape), w.dtype) for w in want]:
@@ -110,7 +85,7 @@ def check_average(checks: Checks, me: Rank) -> bool:
             elif not all(torch.allclose(g, w, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-13)
                          for g, w in zip(got, want)):
                 wrong = f"average_pseudo_gradient ({dtype}): " + delta_mistake(got, want, anchor, everyones, me)
-        if not settle(checks, wrong):
+        if not checks.settle(wrong):
             return False
     print0("average_pseudo_gradient: the average of anchor - params over the ranks, a matrix, a vector and a "
            "scalar in float32 and float64, the parameters' bytes sent once")
@@ -151,7 +126,11 @@ MISTAKES = {  # name -> how the outer step differs (the replay below), and what 
     "sign": "the anchor moved away from where the ranks went: the pseudo-gradient's sign is flipped "
             "(it is anchor - params, and the step subtracts it)",
     "sum": "the outer step used the SUM of the pseudo-gradients, not their average: summed but not divided",
-    "heavy_ball": "momentum without nesterov: SGD(nesterov=True) steps by g + momentum * buf, not by buf alone",
+    "heavy_ball": "the step is the updated buffer itself (momentum * old buf + g): plain momentum without Nesterov's "
+                  "look-ahead - or g + momentum * buf with buf read BEFORE this sync updated it, which is the same "
+                  "number; Nesterov steps by g + momentum * (the buffer after this sync's update)",
+    "momentum_sign": "the momentum term has the wrong sign: the anchor moved by lr * (g - momentum * buf), against "
+                     "the direction the momentum has been going - Nesterov adds it",
     "no_momentum": "the momentum buffers are not used: the step is plain SGD on the pseudo-gradient",
     "anchor_stale": "the global copy (the anchor) is not updated: the parameters got the new values but the next "
                     "pseudo-gradient was taken from the old anchor",
@@ -168,6 +147,7 @@ def replay(kind: str, anchor0, moves, lr: float, momentum: float, n: int) -> lis
     reference = [nn.Parameter(a.clone()) for a in anchor0]
     m = 0.0 if kind == "no_momentum" else momentum
     sgd = torch.optim.SGD(reference, lr=lr, momentum=m, nesterov=m > 0 and kind != "heavy_ball")
+    buffers = [torch.zeros_like(a) for a in anchor0]  # momentum_sign's own step, written out
     rounds = []
     for k in range(len(moves)):
         local = [[s - mv for s, mv in zip(start[r], moves[k][r])] for r in range(n)]
@@ -175,7 +155,11 @@ def replay(kind: str, anchor0, moves, lr: float, momentum: float, n: int) -> lis
             p.data.copy_(anchor[i])
             g = torch.stack([anchor[i] - local[r][i] for r in range(n)]).mean(0)
             p.grad = -g if kind == "sign" else g * n if kind == "sum" else g
-        sgd.step()
+            if kind == "momentum_sign":
+                buffers[i].mul_(m).add_(g)
+                p.data.sub_(g - m * buffers[i], alpha=lr)
+        if kind != "momentum_sign":
+            sgd.step()
         new = [p.detach().clone() for p in reference]
         if kind != "anchor_stale":
             anchor = new
@@ -200,14 +184,14 @@ def check_outer(checks: Checks, me: Rank, dtype, lr: float, momentum: float, rou
     outer = lab.DiLoCo(model, lr=lr, momentum=momentum)
     what = f"DiLoCo(lr={lr}, momentum={momentum}) on {dtype} parameters at {ranks_count(n)}"
     if inputs.changed():
-        return settle(checks, f"{what}: building it changed the model's parameters - leave them as they are")
+        return checks.settle(f"{what}: building it changed the model's parameters - leave them as they are")
     right = replay("right", anchor0, moves, lr, momentum, n)
     seen, wrong, zeros = [], None, False
     for k in range(rounds):  # every round runs, so that a diagnosis can follow the whole trajectory
         with torch.no_grad():
             for p, mv in zip(params, moves[k][me.rank]):
                 p.sub_(mv)  # what this rank's inner steps did
-        _, calls = recorded(outer.sync)
+        calls = watch(SYNC, outer.sync, namespaces=lab_namespaces(lab), snapshot=True).calls
         seen.append([p.detach().clone() for p in params])
         sent = [s.reshape(-1) for c in calls for s in (c.snapshot or [])]
         zeros = zeros or (k == 0 and bool(sent) and not torch.cat(sent).abs().any())
@@ -223,7 +207,7 @@ def check_outer(checks: Checks, me: Rank, dtype, lr: float, momentum: float, rou
                       "(no copy), so it moves with them")
         else:
             wrong += " - " + replayed_mistake(seen, anchor0, moves, lr, momentum, n, me.rank, outer, dtype)
-    return settle(checks, wrong)
+    return checks.settle(wrong)
 
 
 def replayed_mistake(seen, anchor0, moves, lr, momentum, n, rank, outer, dtype) -> str:
@@ -235,7 +219,7 @@ def replayed_mistake(seen, anchor0, moves, lr, momentum, n, rank, outer, dtype) 
         return (f"the outer state holds {other} tensors for {dtype} parameters: make the anchor and the buffers "
                 f"in the parameters' dtype (clone, zeros_like)")
     for kind, words in MISTAKES.items():
-        if (kind == "sum" and n == 1) or (kind in ("no_momentum", "heavy_ball") and momentum == 0):
+        if (kind == "sum" and n == 1) or (kind in ("no_momentum", "heavy_ball", "momentum_sign") and momentum == 0):
             continue
         guess = replay(kind, anchor0, moves[:len(seen)], lr, momentum, n)
         if all(close(s, g[rank]) for s, g in zip(seen, guess)):
@@ -322,7 +306,7 @@ def check_train(checks: Checks, me: Rank) -> bool:
                 wrong += f" - {len(losses)} losses for {steps} inner steps: return one loss per inner step"
         elif not close(params, everyone_params[me.rank]):
             wrong = f"after train({steps} steps, h={h}) the parameters differ from one process simulating every rank"
-    if not settle(checks, wrong):
+    if not checks.settle(wrong):
         return False
     print0(f"train: {steps} inner steps of AdamW, a sync after steps {h}, {2 * h} and {3 * h} only ({want_bytes} bytes "
            f"each), the same parameters as one process simulating {ranks_count(n)}")
@@ -374,11 +358,47 @@ def check_resume(checks: Checks, me: Rank) -> bool:
                 wrong += ": the anchor was not restored (after load_state_dict it is not the saved one)"
             else:
                 wrong += ": save every tensor the next sync reads, and load it into this object's own tensors"
-    if not settle(checks, wrong):
+    if not checks.settle(wrong):
         return False
     print0(f"resume: saved after {stop} inner steps, loaded into new objects, the next {steps - stop} steps bit for "
            f"bit those of the run never stopped")
     return True
+
+
+def check_on_gpu(checks: Checks, me: Rank) -> bool:
+    """DiLoCo run again as on a GPU machine (ringside.effects.on_rank_gpu): the model on this rank's
+    stand-in GPU, two syncs, then its state saved, read back onto the CPU (torch.load(map_location="cpu"),
+    as a checkpoint often is) and loaded into a new DiLoCo over the same model, and a sync more. Every
+    tensor it keeps, and every parameter, must stay on the model's device."""
+    stage = {}
+
+    def run(device: torch.device):
+        model = Odd(odd_tensors(2, torch.float32)).to(device)
+        outer = lab.DiLoCo(model)
+        for k in range(2):
+            with torch.no_grad():
+                for p, mv in zip(model.parameters(), odd_tensors(100 * k + me.rank, torch.float32, 0.1)):
+                    p.sub_(mv.to(device))
+            outer.sync()
+        saved = {key: [t.cpu() for t in value] if isinstance(value, list) else value
+                 for key, value in outer.state_dict().items()}
+        outer, stage["loaded"] = lab.DiLoCo(model), True
+        outer.load_state_dict(saved)
+        outer.sync()
+        return [t for v in vars(outer).values() if isinstance(v, (list, tuple)) for t in v
+                if isinstance(t, torch.Tensor)] + list(model.parameters())
+
+    problem, note = on_rank_gpu("DiLoCo", run, lab.DiLoCo, lab.average_pseudo_gradient,
+                                what="a tensor it keeps (the anchor, a momentum buffer or a parameter)")
+    if note:
+        print0(note)
+    if problem and stage:  # as torch.optim's load_state_dict does, the state goes where the parameters are
+        problem = (f"DiLoCo, run as on a GPU machine: {problem.split(': ', 1)[-1].split(' - that tensor')[0].split(' (')[0]} - in the sync after "
+                   f"load_state_dict of a state read back onto the CPU (torch.load(..., map_location='cpu')): the "
+                   f"loaded tensors stayed on the CPU - load them into this object's own tensors, "
+                   f"which stay on the model's device (copy_ moves the values across), as torch.optim's "
+                   f"load_state_dict moves an optimizer's state to its parameters' device")
+    return checks.settle(problem)
 
 
 def main(me: Rank, checks: Checks) -> None:
@@ -391,8 +411,8 @@ def main(me: Rank, checks: Checks) -> None:
             return
     print0("sync: 3 outer steps at (lr, momentum) = (0.7, 0.9), (0.5, 0.5) in float64 and (1, 0) (local SGD), "
            "equal to torch.optim.SGD(nesterov=True) on the averaged pseudo-gradient")
-    if check_train(checks, me):
-        check_resume(checks, me)
+    if check_train(checks, me) and check_resume(checks, me):
+        check_on_gpu(checks, me)
 
 
 def run(**learner) -> None:

@@ -18,13 +18,24 @@ observes those, so that each check keeps only what is specific to its lab.
     with rank_gpu(lab.fn) as (gpu, recorder):   # the device effect: tensors on this rank's stand-in GPU
         result, problem = device_problem("fn", lab.fn, torch.ones(4, device=gpu.device))
         problem = problem or misplaced_result("fn", result, gpu.device)   # one line naming the tensor, or None
+
+A lab function's contract, declared once, is checked on every call the check makes (`watch`):
+
+    AVERAGE = Contract("average_grad_shard", like="flat_grad")   # changes nothing; its result: flat_grad's dtype, device
+    seen = watch(AVERAGE, lab.average_grad_shard, flat, namespaces=lab_namespaces(lab))
+    seen.result, seen.calls, seen.problem     # problem: the first broken promise in one line, or None
+
+    ignored(run, arguments, {"lr": 0.05})       # the arguments whose other value leaves the outcome as it was
+    narrowed(got, want)                         # the dtype `want` went through when `got` is `want` rounded
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from contextlib import contextmanager
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -63,6 +74,21 @@ class Inputs:
             if len(now) != len(before) or any(not _same(a, b) for a, b in zip(now, before)):
                 found.append(name)
         return found
+
+
+    def how(self, name: str) -> str:
+        """In a few words, how `name`'s tensor changed: "divided by 4", "zeroed", "overwritten"."""
+        now, before = _tensors(self.arguments[name]), self.copies[name]
+        pairs = [(a.detach(), b) for a, b in zip(now, before) if not _same(a, b)]
+        if not pairs or any(a.shape != b.shape or not a.is_floating_point() for a, b in pairs):
+            return "replaced or resized" if pairs else "unchanged"
+        a, b = torch.cat([a.reshape(-1) for a, _ in pairs]).double(), torch.cat([b.reshape(-1) for _, b in pairs]).double()
+        if not a.any():
+            return "zeroed"
+        ratio = float(a @ b / (b @ b)) if b.any() else 0.0
+        if ratio and torch.allclose(a, b * ratio, rtol=1e-5, atol=1e-7):
+            return f"divided by {1 / ratio:.4g}" if abs(ratio) < 1 else f"multiplied by {ratio:.4g}"
+        return "overwritten with other values"
 
 
 def _same(now: torch.Tensor, before: torch.Tensor) -> bool:
@@ -108,6 +134,99 @@ def storage_excess(tensor: torch.Tensor) -> tuple[int, int] | None:
     larger tensor keeps all of it alive - else None."""
     held, own = tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size()
     return (held, own) if held > own else None
+
+
+def narrowed(got: torch.Tensor, want: torch.Tensor) -> torch.dtype | None:
+    """The narrower dtype that `want` passed through when `got` equals `want` rounded to it (float64
+    values sent as float32, int64 values past 2**24 as float32), else None: a dtype not kept."""
+    if got.shape != want.shape or torch.equal(got, want):
+        return None
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
+        if dtype != want.dtype and torch.equal(got, want.to(dtype).to(want.dtype)):
+            return dtype
+    return None
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a lab function promises besides its values, declared once per function and checked by
+    `watch` on every call: `changes`, the arguments it may change in place (every other tensor argument
+    must be as it was); `like`, the argument whose dtype and device its result takes ("" : no rule);
+    `returns`, whether its result is ready when it returns (every request completed: "never waited for"
+    otherwise; False for a function that hands its requests to the caller)."""
+    name: str
+    changes: tuple[str, ...] = ()
+    like: str = ""
+    returns: bool = True
+    honours: dict = field(default_factory=dict)  # argument -> another value that must make a difference
+
+
+@dataclass
+class Seen:
+    """What one watched call did: its result, its recorded calls, and the first promise it broke (one
+    line, or None). `problems` holds them all, the requests first (a result read before its request
+    completed is named as such, not by the wrong value it leaves)."""
+    result: object
+    calls: list
+    problems: list[str]
+    inputs: Inputs
+
+    @property
+    def problem(self) -> str | None:
+        return self.problems[0] if self.problems else None
+
+
+def watch(contract: Contract, fn: Callable, *args, namespaces=(), drain: bool = True, snapshot: bool = False,
+          **kwargs) -> Seen:
+    """fn(*args, **kwargs) with its communication recorded (ringside.calls) and its contract checked:
+    requests never waited for, arguments changed that it may not change, a
+    result in another dtype or on another device than `like`. (A request's tensor written while in flight
+    is not judged here: gloo's ReduceOp.AVG divides in place as the request completes, which the version
+    counters cannot tell from a write by the learner's code.) With `drain`, what it left in flight is
+    waited for afterwards by the engine (the record still says the learner's code never waited), so
+    that the ranks stay in step. `snapshot`: each call keeps a copy of what it was handed (Recorder's)."""
+    from ringside.calls import Recorder
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    inputs = Inputs(**bound.arguments)
+    with Recorder(namespaces=namespaces, snapshot=snapshot) as recorder:
+        result = fn(*args, **kwargs)
+    if drain:
+        for call in never_waited(recorder.calls):
+            if call.get("work") is not None:
+                call["work"].wait()
+    problems = []
+    if contract.returns:
+        problems += [text for text in [unwaited_diagnosis(contract.name, recorder.calls)] if text]
+    for name in inputs.changed(allowed=contract.changes):
+        problems.append(f"{contract.name} changed its argument `{name}` in place ({inputs.how(name)}): the caller's "
+                        f"tensor must stay as it was - compute into a tensor of your own")
+    like = bound.arguments.get(contract.like) if contract.like else None
+    if isinstance(like, (list, tuple)) and like:
+        like = like[0]
+    out = _tensors(result)
+    if isinstance(like, torch.Tensor) and out:
+        wrong = [t for t in out if t.dtype != like.dtype or t.device != like.device]
+        if wrong:
+            problems.append(f"{contract.name} returned a {str(wrong[0].dtype)[6:]} tensor on {wrong[0].device} for "
+                            f"a `{contract.like}` of {str(like.dtype)[6:]} on {like.device}: its result takes "
+                            f"the dtype and device of `{contract.like}`")
+    return Seen(result, recorder.calls, problems, inputs)
+
+
+def ignored(run: Callable[[dict], object], arguments: dict, others: dict) -> list[str]:
+    """The names in `others` whose other value leaves run(arguments)'s outcome exactly as it was: an
+    argument the function does not honour (it reads a constant, or the group's size, instead). `run`
+    gets fresh copies of the tensors each time (the function may change them in place)."""
+    def fresh(values: dict) -> dict:
+        return {k: v.detach().clone() if isinstance(v, torch.Tensor) else
+                [t.detach().clone() for t in v] if isinstance(v, list) else v for k, v in values.items()}
+
+    def same(a, b) -> bool:
+        a, b = _tensors(a), _tensors(b)
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+    base = run(fresh(arguments))
+    return [name for name, value in others.items() if same(run(fresh({**arguments, name: value})), base)]
 
 
 # --- device: the function run again as on a GPU machine -------------------------------------------
@@ -211,6 +330,22 @@ def not_checkable(function: str, error: BaseException) -> str:
 def _where(error: BaseException) -> str:
     from .lab import _where as where
     return where(error)
+
+
+def on_rank_gpu(name: str, run: Callable[[torch.device], object], *functions,
+                what: str = "what it returned") -> tuple[str | None, str | None]:
+    """run(device) as on a GPU machine (`rank_gpu`), `device` being this rank's stand-in GPU:
+    (problem, note). problem: one line naming a tensor in the wrong place, raised on the way (CUDA's
+    or NCCL's refusal) or among what run returned (`what`); note: one line when the code cannot run
+    on a stand-in at all (StandInGPU.unjudgeable: nothing can be concluded), else None."""
+    with rank_gpu(*functions) as (gpu, _):
+        try:
+            result, problem = device_problem(name, run, gpu.device)
+        except Exception as error:
+            if StandInGPU.unjudgeable(error):
+                return None, not_checkable(name, error)
+            raise
+        return problem or misplaced_result(name, result, gpu.device, what), None
 
 
 def passed_on_every_rank(checks) -> bool:

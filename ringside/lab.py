@@ -57,9 +57,41 @@ class Checks:
     def fail(self, diagnosis: str) -> None:
         self.expect(False, diagnosis)
 
+    def settle(self, wrong, diagnose=None) -> bool:
+        """One verdict for every rank (every rank calls it: a collective): FAIL when `wrong` is a message on
+        any rank. After a FAIL, and only then, `diagnose()` runs on every rank (it may call collectives)
+        and may name the cause. `wrong` is a message, or (what was observed, what to look at when the
+        diagnosis names nothing)."""
+        if everyone(wrong is None):
+            return self.expect(True, "")
+        named = diagnose() if diagnose is not None else None
+        if isinstance(wrong, tuple):
+            self.fail(f"{wrong[0]}: {named or wrong[1]}")
+        elif wrong:
+            self.fail(f"{wrong}{f' ({named})' if named else ''}")
+        return False
+
+    def agree(self, wrong: str | None, group=None) -> bool:
+        """One verdict and one line for every rank (a collective): FAIL with the first rank's message
+        when any rank has one, so the report shows it once."""
+        verdicts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(verdicts, wrong, group=group)
+        first = next((v for v in verdicts if v), None)
+        return self.expect(first is None, first or "")
+
     @property
     def passed(self) -> bool:
         return self.count > 0 and not self.failures
+
+
+def everyone(ok: bool) -> bool:
+    """True when `ok` holds on every rank (a collective: every rank calls it), so that all ranks go on
+    to the next check together. The flag travels on the group's device (a GPU under nccl)."""
+    import torch
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 # PyTorch errors whose words do not say what to change: (words in the message, what it means here)

@@ -63,7 +63,7 @@ SEEDED = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multin
           "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "rrelu", "rrelu_"}
 # Ops that CUDA lets mix a GPU tensor with CPU ones: a copy, indexing with CPU indices
 MAY_MIX = {"copy_", "__getitem__", "__setitem__", "to", "_has_compatible_shallow_copy_type",
-           "swap_tensors", "__set__"}
+           "swap_tensors", "__set__", "_foreach_copy_"}  # _foreach_copy_: per-tensor copy_ across devices
 IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
             "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 # Functions that make a CPU tensor from nothing: where the learner's code called one is its origin

@@ -64,7 +64,8 @@ class ShardSampler(Sampler[int]):
                                   self.drop_last))
 
     def __len__(self) -> int:
-        return self.n // self.num_replicas if self.drop_last else math.ceil(self.n / self.num_replicas)
+        return len(shard_indices(self.n, self.num_replicas, self.rank, self.epoch, self.shuffle, self.seed,
+                                 self.drop_last))
 
 
 def indexed_digits(n: int = 300) -> TensorDataset:
@@ -75,8 +76,8 @@ def indexed_digits(n: int = 300) -> TensorDataset:
 
 def train(dataset: TensorDataset, device: torch.device, epochs: int = 3, batch_size: int = 16,
           base_lr: float = 0.05, seed: int = 0) -> list[list[int]]:
-    """A colleague's DDP training loop. Its loss goes down, yet the check finds a bug in the order
-    in which it reads the data. Returns the sample indices this rank read, epoch by epoch."""
+    """A colleague's DDP training loop. Its loss goes down, yet it has a bug in what it feeds the
+    model. Returns the sample indices this rank read, epoch by epoch."""
     torch.manual_seed(seed)
     model = DDP(nn.Linear(64, 10).to(device))
     sampler = DistributedSampler(dataset, shuffle=True, seed=seed)
@@ -87,7 +88,7 @@ def train(dataset: TensorDataset, device: torch.device, epochs: int = 3, batch_s
     for epoch in range(epochs):
         # HINT 1: the order comes from the sampler: what must it be told to draw a new permutation each epoch? (section 2 of the notebook)
         # HINT 2: DistributedSampler shuffles with seed + epoch, and only learns the epoch from sampler.set_epoch(epoch)
-        # BEGIN SOLUTION: bug hunt - one line is missing from this loop: every sample is still read each epoch and the loss still goes down, but from the second epoch on the global batches replay the first epoch's (the randomness of SGD is lost, not data). Delete this raise, run the lab and read what the check found
+        # BEGIN SOLUTION: bug hunt - this loop trains as a single process on the whole data set would not: find what, and fix it (one line). Delete this raise, run the lab, and compare what the check says each epoch read with what you expect
         sampler.set_epoch(epoch)
         # END SOLUTION
         order = []

@@ -10,6 +10,18 @@ LOOP = ("    for step in range(world_size - 1):\n"
 SLOTS = "recv_slot = (rank - step) % world_size, (rank - step - 1) % world_size"
 
 MUTATIONS = [
+    # REVIEW 6: a dtype not kept (float64 and int64 values float32 cannot hold), and the root ignored at 2 ranks
+    Mutation("broadcast through float32",
+             "                dist.send(tensor, dst=peer)\n    else:\n        dist.recv(tensor, src=src)\n",
+             "                dist.send(tensor.float(), dst=peer)\n    else:\n"
+             "        buffer = tensor.float()\n        dist.recv(buffer, src=src)\n        tensor.copy_(buffer)\n",
+             "rounded to float32", 2),
+    Mutation("broadcast always from rank 0 (2 ranks)",
+             "    if rank == src:\n        for peer in range(world_size):\n            if peer != src:\n"
+             "                dist.send(tensor, dst=peer)\n    else:\n        dist.recv(tensor, src=src)\n",
+             "    if rank == 0:\n        for peer in range(1, world_size):\n"
+             "                dist.send(tensor, dst=peer)\n    else:\n        dist.recv(tensor, src=0)\n",
+             "the root is rank 1: send from (and receive from) `src`, not 0", 2),
     Mutation("broadcast rebinds the name instead of receiving in place",
              "        dist.recv(tensor, src=src)\n",
              "        tensor = torch.empty_like(tensor)\n        dist.recv(tensor, src=src)\n",

@@ -16,6 +16,10 @@ SAVE = ("        ctx.save_for_backward(x_hat, weight, invstd, count)\n"
         "        return x_hat * per_channel(weight, x) + per_channel(bias, x)\n")
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("the count made on the CPU", "torch.full_like(local_sum, x.numel() // x.shape[1])",
+             "torch.full(local_sum.shape, x.numel() // x.shape[1], dtype=torch.float64)",
+             "global_channel_stats, run as on a GPU machine", 2),
     Mutation("biased running variance", "momentum * var * count / (count - 1))", "momentum * var)",
              "it matches the biased variance", 2),
     Mutation("running buffers rebound, not updated in place",

@@ -88,6 +88,11 @@ CORRECT = [
 ]
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("bucket buffer made on the CPU", "        flat = torch.cat([g.reshape(-1) for g in grads])\n",
+             "        flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)\n"
+             "        torch.cat([g.reshape(-1) for g in grads], out=flat)\n",
+             "HandDDP, run as on a GPU machine", 2),
     Mutation("buckets in forward order",
              "    for index in reversed(range(len(params))):\n",
              "    for index in range(len(params)):\n",

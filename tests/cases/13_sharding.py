@@ -25,6 +25,26 @@ INNER_ADAM_NEW = INNER_ADAM_OLD.replace(
     "        self.steps += 1\n        self.inner.step()\n        gather_params(self.shard.detach(), self.params)\n")
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("moments made without device=",
+             "        self.exp_avg = torch.zeros(self.stop - self.start, device=first.device, dtype=first.dtype)\n",
+             "        self.exp_avg = torch.zeros(self.stop - self.start, dtype=first.dtype)\n",
+             "ShardedAdam, run as on a GPU machine", 2),
+    # REVIEW 6: an argument not honoured, an input changed in place, an all-gather's bytes doubled
+    Mutation("adam_update reads the lab's LR, not its lr", "    step_size = lr / (1 - beta1 ** t)\n",
+             "    step_size = LR / (1 - beta1 ** t)\n", "adam_update ignores its argument(s) lr", 2),
+    Mutation("the caller's gradient divided in place",
+             "    dist.reduce_scatter_tensor(shard, flat_grad, op=dist.ReduceOp.AVG)\n",
+             "    flat_grad /= dist.get_world_size()\n    dist.reduce_scatter_tensor(shard, flat_grad)\n",
+             "changed its argument `flat_grad` in place (divided by 4)", 4),
+    Mutation("all-gather as an all-reduce of a zero-filled vector",
+             "    dist.all_gather_into_tensor(full, shard)\n",
+             "    full.zero_()[dist.get_rank() * shard.numel():][:shard.numel()] = shard\n    dist.all_reduce(full)\n",
+             "bytes sent per rank on a ring where one all-gather", 3),
+    Mutation("reduce-scatter never waited for",
+             "    dist.reduce_scatter_tensor(shard, flat_grad, op=dist.ReduceOp.AVG)\n",
+             "    dist.reduce_scatter_tensor(shard, flat_grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+             "never waited for", 2),
     Mutation("no padding", "    missing = -flat.numel() % world_size\n", "    missing = 0\n",
              "pad with zeros so that every shard has the same size", 3),
     Mutation("shards skip the tail (size rounded down)", "    size = -(-numel // world_size)\n",

@@ -5,6 +5,11 @@ from mutation import Mutation, Variant
 SLOW = True  # some of its mutated jobs wait out a 10 s collective timeout
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("job 3's flag made on the CPU",
+             "        bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=me.device)\n",
+             "        bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0])\n",
+             "job3_fixed, run as on a GPU machine", 2),
     # job 1: the loop must end at the same step on every rank
     Mutation("job1 fix still stops on each rank's own loss",
              "        mean_loss = loss.detach().reshape(1)\n        dist.all_reduce(mean_loss)\n"

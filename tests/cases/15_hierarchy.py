@@ -15,6 +15,11 @@ ACROSS = "    dist.all_reduce(mine, group=peer_group)  # slow link: 1/local of t
 GATHER = "    dist.all_gather_into_tensor(padded, mine, group=host_group)  # fast link: every shard on every rank\n"
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("padded buffer made on the CPU",
+             "    padded = torch.zeros(shard * local, dtype=flat.dtype, device=flat.device)\n",
+             "    padded = torch.zeros(shard * local, dtype=flat.dtype)\n",
+             "NCCL refuses it) - that tensor is made by `padded = torch.zeros", 2),
     Mutation("hosts strided like peers", HOSTS,
              "    hosts = [list(range(h, world_size, world_size // ranks_per_host)) for h in range(world_size // ranks_per_host)]\n",
              "your hosts take one rank in every", 2),

@@ -4,6 +4,10 @@ check must name."""
 from mutation import Mutation, Variant
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("all-gather output made on the CPU", "    full = send.new_empty(send.numel() * dist.get_world_size())\n",
+             "    full = torch.empty(send.numel() * dist.get_world_size(), dtype=dtype)\n",
+             "all_gather_flat and average_shard, run as on a GPU machine", 2),
     Mutation("shard of the wrong rank", "    start = rank * size\n", "    start = (world_size - 1 - rank) * size\n",
              "a shard of the wrong rank", 2),
     Mutation("no padding (shard size rounded down)",

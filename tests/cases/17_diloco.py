@@ -5,6 +5,20 @@ from mutation import Mutation, Variant
 NPROCS = (1, 2, 3, 4, 5)
 
 MUTATIONS = [
+    # REVIEW 6: right on gloo, wrong on a GPU: seen on the stand-in GPU (ringside.standin)
+    Mutation("momentum buffers made without device=", "        self.buffers = [torch.zeros_like(p) for p in self.params]\n",
+             "        self.buffers = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]\n",
+             "DiLoCo, run as on a GPU machine", 2),
+    # REVIEW 6: the sign of the momentum term; the saved tensors kept as the object's own (on the CPU after a
+    # torch.load(map_location="cpu"): seen on the stand-in GPU)
+    Mutation("momentum term subtracted", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n",
+             "            anchor.sub_(g.add(buf, alpha=-self.momentum), alpha=self.lr)\n",
+             "the momentum term has the wrong sign", 2),
+    Mutation("load_state_dict keeps the caller's tensors",
+             "        for mine, saved in zip(self.anchor + self.buffers, state[\"anchor\"] + state[\"buffers\"]):\n"
+             "            mine.copy_(saved)\n",
+             "        self.anchor, self.buffers = state[\"anchor\"], state[\"buffers\"]\n",
+             "in the sync after load_state_dict of a state read back onto the CPU", 2),
     Mutation("pseudo-gradient's sign flipped", "    flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(anchor, params)])\n",
              "    flat = torch.cat([(p.detach() - a).reshape(-1) for a, p in zip(anchor, params)])\n",
              "the pseudo-gradient's sign is flipped", 2),
@@ -25,7 +39,7 @@ MUTATIONS = [
     Mutation("async all-reduce never waited", "    dist.all_reduce(flat, op=dist.ReduceOp.AVG)\n",
              "    dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)\n", "never waited for", 2),
     Mutation("momentum without nesterov", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n",
-             "            anchor.sub_(buf, alpha=self.lr)\n", "momentum without nesterov", 2),
+             "            anchor.sub_(buf, alpha=self.lr)\n", "plain momentum without Nesterov", 2),
     Mutation("momentum buffers never used", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n",
              "            anchor.sub_(g, alpha=self.lr)\n", "the momentum buffers are not used", 2),
     Mutation("global copy not updated", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n"
