@@ -9,16 +9,10 @@ MUTATIONS = [
     Mutation("momentum buffers made without device=", "        self.buffers = [torch.zeros_like(p) for p in self.params]\n",
              "        self.buffers = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]\n",
              "DiLoCo, run as on a GPU machine", 2),
-    # REVIEW 6: the sign of the momentum term; the saved tensors kept as the object's own (on the CPU after a
-    # torch.load(map_location="cpu"): seen on the stand-in GPU)
+    # REVIEW 6: the sign of the momentum term
     Mutation("momentum term subtracted", "            anchor.sub_(g.add(buf, alpha=self.momentum), alpha=self.lr)\n",
              "            anchor.sub_(g.add(buf, alpha=-self.momentum), alpha=self.lr)\n",
              "the momentum term has the wrong sign", 2),
-    Mutation("load_state_dict keeps the caller's tensors",
-             "        for mine, saved in zip(self.anchor + self.buffers, state[\"anchor\"] + state[\"buffers\"]):\n"
-             "            mine.copy_(saved)\n",
-             "        self.anchor, self.buffers = state[\"anchor\"], state[\"buffers\"]\n",
-             "in the sync after load_state_dict of a state read back onto the CPU", 2),
     Mutation("pseudo-gradient's sign flipped", "    flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(anchor, params)])\n",
              "    flat = torch.cat([(p.detach() - a).reshape(-1) for a, p in zip(anchor, params)])\n",
              "the pseudo-gradient's sign is flipped", 2),
@@ -72,6 +66,13 @@ MUTATIONS = [
 
 # Right code written otherwise: the check must pass it.
 CORRECT = [
+    # REVIEW 6: load_state_dict may keep the loaded tensors (clones, or the tensors themselves as
+    # torch.optim's load_state_dict keeps a buffer already on the right device): only where they live counts
+    Variant("load_state_dict rebinds to clones of the saved tensors",
+            "        for mine, saved in zip(self.anchor + self.buffers, state[\"anchor\"] + state[\"buffers\"]):\n"
+            "            mine.copy_(saved)\n",
+            "        self.anchor = [a.detach().clone() for a in state[\"anchor\"]]\n"
+            "        self.buffers = [b.detach().clone() for b in state[\"buffers\"]]\n", 2),
     Variant("torch.optim.SGD(nesterov=True) on the anchor, the pseudo-gradient as its .grad",
             "        deltas = average_pseudo_gradient(self.anchor, self.params)\n"
             "        for p, anchor, buf, g in zip(self.params, self.anchor, self.buffers, deltas):\n"
