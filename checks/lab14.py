@@ -607,6 +607,6 @@ def run(**learner) -> None:
     # the other ranks' first; it would hold a hung job1's collective back before the flight recorder
     # saw it, so job1 runs without it.
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "OFF" if job == "job1" else "DETAIL"
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "64"  # the flight recorder: each rank's last 64 collectives
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "64"  # the flight recorder (on by default, 2,000): keep the last 64
     dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
     run_lab(main, title="Lab 14 (debugging)", refuse=prepared_for, timeout=BROKEN_TIMEOUT.get(job, TIMEOUT))
