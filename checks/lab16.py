@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -30,7 +29,7 @@ from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import Inputs, on_rank_gpu, storage_excess
+from ringside.effects import Contract, Inputs, on_rank_gpu, storage_excess, watch
 from ringside.lab import everyone, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -41,24 +40,16 @@ BF16 = torch.bfloat16
 # --- What the collectives did (recorded by ringside.calls) ----------------------------------------
 
 
-@contextmanager
-def collectives():
-    """Inside the block, every collective the lab's code makes is recorded (ringside.calls), whatever
-    name it calls it by; yields the list of calls."""
-    with Recorder(namespaces=lab_namespaces(lab)) as recorder:
-        yield recorder.calls
+GATHER, AVERAGE = Contract("all_gather_flat"), Contract("average_shard")  # both change nothing they are given
 
 
-def gathers(calls):
-    return [c for c in calls if c.family == "all_gather"]
+def recording() -> Recorder:
+    """Every collective the lab's code makes, recorded (ringside.calls), whatever name it calls it by."""
+    return Recorder(namespaces=lab_namespaces(lab))
 
 
-def reduce_scatters(calls):
-    return [c for c in calls if c.family == "reduce_scatter"]
-
-
-def all_reduces(calls):
-    return [c for c in calls if c.family == "all_reduce"]
+def of(calls, family: str) -> list:
+    return [c for c in calls if c.family == family]
 
 
 def outputs_of(call) -> list[torch.Tensor]:
@@ -74,7 +65,7 @@ UNHELD = (None, "blocking", "wait", "synchronize", "is_completed")
 def alive_outputs(calls) -> list[torch.Tensor]:
     """The outputs of the recorded all-gathers that something still holds. gloo's worker thread may
     hold a finished collective's output a moment longer: wait up to 1 s for it to let go."""
-    watched = [c for c in gathers(calls) if c.get("completed_by") in UNHELD]
+    watched = [c for c in of(calls, "all_gather") if c.get("completed_by") in UNHELD]
     for _ in range(100):
         alive = [t for c in watched for t in outputs_of(c)]
         if not alive:
@@ -190,70 +181,67 @@ def check_shard_of(checks: Checks, me: Rank) -> bool:
 
 def check_all_gather(checks: Checks, me: Rank) -> bool:
     """all_gather_flat for 1 and 3 elements, to float32, bf16 and fp16: every rank's shard in rank order,
-    sent in the dtype asked for, the shard left as it was."""
+    sent in the dtype asked for, the shard left as it was (GATHER)."""
     for n in (1, 3):
         shard = torch.arange(n, dtype=torch.float32) + 10.0 * me.rank + 0.1  # 0.1: bf16 rounds it
-        kept = shard.clone()
         want = torch.cat([torch.arange(n, dtype=torch.float32) + 10.0 * r + 0.1 for r in range(me.world_size)])
         for dtype in (torch.float32, BF16, torch.float16):
-            with collectives() as calls:
-                full = lab.all_gather_flat(shard, dtype)
-            sent = [c.dtype for c in gathers(calls)]
-            wrong = None
-            if not sent:
-                wrong = (f"all_gather_flat made no all-gather (calls seen: {[c.op for c in calls] or 'none'}): "
-                         f"dist.all_gather_into_tensor")
-            elif any(d != dtype for d in sent):
-                wrong = (f"all_gather_flat(shard, {dtype}) sent {sent[0]}: cast the shard to the compute dtype BEFORE "
-                         f"the all-gather - a gather in float32 then a cast sends twice the bytes of bf16")
-            elif full.dtype != dtype or full.numel() != n * me.world_size:
-                wrong = (f"all_gather_flat returned {full.numel()} elements of {full.dtype}, expected "
-                         f"{n * me.world_size} of {dtype} (every rank's shard)")
-            elif not torch.equal(full, want.to(dtype)):
-                wrong = (f"all_gather_flat returned {full.float().tolist()}, expected every rank's shard in rank "
-                         f"order: {want.to(dtype).float().tolist()}")
-            elif not torch.equal(shard, kept):
-                wrong = "all_gather_flat changed the shard it was given: the shard is the master weight, leave it"
-            if not checks.settle(wrong):
+            seen = watch(GATHER, lab.all_gather_flat, shard, dtype, namespaces=lab_namespaces(lab))
+            if not checks.settle(seen.problem or gather_mistake(seen.result, seen.calls, want.to(dtype))):
                 return False
     return True
 
 
+def gather_mistake(full: torch.Tensor, calls, want: torch.Tensor) -> str | None:
+    sent = [c.dtype for c in of(calls, "all_gather")]
+    if not sent:
+        return f"all_gather_flat made no all-gather (calls seen: {[c.op for c in calls] or 'none'}): " \
+               f"dist.all_gather_into_tensor"
+    if any(d != want.dtype for d in sent):
+        return (f"all_gather_flat(shard, {want.dtype}) sent {sent[0]}: cast the shard to the compute dtype BEFORE "
+                f"the all-gather - a gather in float32 then a cast sends twice the bytes of bf16")
+    if full.dtype != want.dtype or full.numel() != want.numel():
+        return (f"all_gather_flat returned {full.numel()} elements of {full.dtype}, expected "
+                f"{want.numel()} of {want.dtype} (every rank's shard)")
+    if not torch.equal(full, want):
+        return (f"all_gather_flat returned {full.float().tolist()}, expected every rank's shard in rank "
+                f"order: {want.float().tolist()}")
+    return None
+
+
 def check_average(checks: Checks, me: Rank) -> bool:
     """average_shard of bf16 and fp32 gradients, 1 and 13 elements a rank: this rank's shard of the
-    average, in float32, reduced in float32, the gradient handed in left as it was."""
+    average, in float32, reduced in float32, the gradient handed in left as it was (AVERAGE)."""
     torch.manual_seed(lab.SEED)
     for per_rank, dtype in ((13, BF16), (1, torch.float32), (13, torch.float32)):
-        n = per_rank * me.world_size
-        everyones = torch.randn(me.world_size, n).to(dtype)  # rank r's gradient is row r
-        mine = everyones[me.rank].clone()
-        with collectives() as calls:
-            shard = lab.average_shard(mine)
+        everyones = torch.randn(me.world_size, per_rank * me.world_size).to(dtype)  # rank r's gradient is row r
+        seen = watch(AVERAGE, lab.average_shard, everyones[me.rank].clone(), namespaces=lab_namespaces(lab))
         want = everyones.float().mean(dim=0)[me.rank * per_rank:(me.rank + 1) * per_rank]
-        sent = [c.dtype for c in reduce_scatters(calls)]
-        wrong = None
-        if all_reduces(calls):
-            wrong = ("average_shard called all_reduce: every rank then receives the whole average and sends 2x the "
-                     "bytes - reduce-scatter hands each rank its shard")
-        elif not sent:
-            wrong = (f"average_shard made no reduce-scatter (calls seen: {[c.op for c in calls] or 'none'}): "
-                     f"dist.reduce_scatter_tensor")
-        elif sent[0] != torch.float32:
-            wrong = (f"average_shard reduced in {sent[0]}: the reduce done in bf16/fp16 rounds every partial sum to "
-                     f"8 (or 11) bits - cast the gradient to float32 BEFORE the reduce-scatter")
-        elif shard.dtype != torch.float32 or shard.shape != want.shape:
-            wrong = (f"average_shard returned {tuple(shard.shape)} of {shard.dtype}, expected this rank's shard, "
-                     f"{per_rank} elements of float32")
-        # Tolerance: the same N float32 additions in another order: about 1e-7 relative.
-        elif (shard - want).abs().max() > 1e-6:
-            wrong = (scale_mistake(shard, want, me.world_size, "the gradient shard", "op=dist.ReduceOp.AVG")
-                     or f"average_shard differs from the average of the ranks' shards by "
-                        f"{(shard - want).abs().max():.2e}: rank r must get the r-th piece")
-        elif not torch.equal(mine, everyones[me.rank]):
-            wrong = "average_shard changed the gradient it was given: leave the caller's tensor as it is"
-        if not checks.settle(wrong):
+        if not checks.settle(seen.problem or average_mistake(seen.result, seen.calls, want, me.world_size)):
             return False
     return True
+
+
+def average_mistake(shard: torch.Tensor, calls, want: torch.Tensor, world_size: int) -> str | None:
+    sent = [c.dtype for c in of(calls, "reduce_scatter")]
+    if of(calls, "all_reduce"):
+        return ("average_shard called all_reduce: every rank then receives the whole average and sends 2x the "
+                "bytes - reduce-scatter hands each rank its shard")
+    if not sent:
+        return (f"average_shard made no reduce-scatter (calls seen: {[c.op for c in calls] or 'none'}): "
+                f"dist.reduce_scatter_tensor")
+    if sent[0] != torch.float32:
+        return (f"average_shard reduced in {sent[0]}: the reduce done in bf16/fp16 rounds every partial sum to "
+                f"8 (or 11) bits - cast the gradient to float32 BEFORE the reduce-scatter")
+    if shard.dtype != torch.float32 or shard.shape != want.shape:
+        return (f"average_shard returned {tuple(shard.shape)} of {shard.dtype}, expected this rank's shard, "
+                f"{want.numel()} elements of float32")
+    # Tolerance: the same N float32 additions in another order: about 1e-7 relative.
+    if (shard - want).abs().max() > 1e-6:
+        return (scale_mistake(shard, want, world_size, "the gradient shard", "op=dist.ReduceOp.AVG")
+                or f"average_shard differs from the average of the ranks' shards by "
+                   f"{(shard - want).abs().max():.2e}: rank r must get the r-th piece")
+    return None
 
 
 def check_on_gpu(checks: Checks, me: Rank) -> bool:
@@ -355,9 +343,9 @@ def probe_saved_tensors(wrapped) -> str | None:
         packed = [unit.pack(v) for v in views]
         unit.gathered = None
         keeps = [shares_storage(p, full) for p in packed]
-        with collectives() as calls:
+        with recording() as calls:
             got = [unit.unpack(p) for p in packed]
-        n_gathers = len(gathers(calls))
+        n_gathers = len(calls.of("all_gather"))
     except Exception:  # noqa: BLE001 - a probe that cannot run names nothing
         return None
     finally:
@@ -391,7 +379,7 @@ def holder_of(wrapped, alive: list[torch.Tensor]) -> str | None:
     return None
 
 
-def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_calls: list) -> str | None:
+def step_watched(me: Rank, wrapped, x, y, dtype) -> str | None:
     """One forward and backward with the collectives and the gathered units watched."""
     units = wrapped.units
     block = {id(m): n for n, m in wrapped.module.named_modules()}
@@ -406,19 +394,19 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
 
     handles = [unit.module.register_forward_pre_hook(watcher(i, unit)) for i, unit in enumerate(units)]
     try:
-        with collectives() as forward:
+        with recording() as recorder:
             out = wrapped(x)
     finally:
         for handle in handles:
             handle.remove()
-    forward_calls.extend(forward)
+    forward = recorder.calls
     held = [(block[id(u.module)], n) for u in units for n in u.names if torch.is_tensor(resolve(u.module, n))]
     if held:
         return (f"a unit never freed: after the forward, block {held[0][0]} still holds its gathered {held[0][1]} - "
                 f"set the layers' attributes back to None after it ran (else every rank ends the forward holding "
                 f"the whole model)")
-    if len(gathers(forward)) < len(units):
-        return (f"the forward made {len(gathers(forward))} all-gathers for {len(units)} units: gather each unit just "
+    if len(of(forward, "all_gather")) < len(units):
+        return (f"the forward made {len(of(forward, 'all_gather'))} all-gathers for {len(units)} units: gather each unit just "
                 f"before its block runs")
     alive = alive_outputs(forward)
     kept = sum(any(ref() is not None for ref in refs) for refs in placed)
@@ -432,15 +420,15 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
     del alive
     loss = F.cross_entropy(out.float(), y)
     try:
-        with collectives() as backward:
+        with recording() as recorder:
             loss.backward()
     except RuntimeError as error:
         if "storage" in str(error) or "size" in str(error):
             return (f"backward failed ({str(error).splitlines()[0][:120]}): the gathered unit was freed after the "
                     f"forward but not gathered again for backward")
         raise
-    backward_calls.extend(backward)
-    again = gathers(backward)
+    backward = recorder.calls
+    again = of(backward, "all_gather")
     if not again:
         return ("the backward made no all-gather: the gather not redone for backward - autograd computed with a "
                 "unit that was never gathered again (unpack must all-gather it)")
@@ -449,7 +437,7 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
         return (f"after the backward {left} unit{'s' if left > 1 else ''} gathered for backward "
                 f"{'are' if left > 1 else 'is'} still alive: "
                 f"free the copy gathered for backward once its gradient is reduce-scattered (GatherUnit.backward)")
-    sent = [c.dtype for c in reduce_scatters(backward)]
+    sent = [c.dtype for c in of(backward, "reduce_scatter")]
     if len(sent) < len(units):
         return (f"the backward made {len(sent)} reduce-scatters for {len(units)} units: each unit's gradient is "
                 f"reduce-scattered in GatherUnit.backward")
@@ -458,14 +446,14 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
                 f"bf16/fp16 loses the low bits of every gradient - reduce in float32")
     compute = dtype or torch.float32
     for phase, calls in (("forward", forward), ("backward", backward)):
-        other = next((c.dtype for c in gathers(calls) if c.dtype != compute), None)
+        other = next((c.dtype for c in of(calls, "all_gather") if c.dtype != compute), None)
         if other is not None:
             more = f", {other.itemsize // compute.itemsize}x the bytes of {compute}" if other.itemsize > compute.itemsize else ""
             return (f"with compute_dtype={dtype} the units were gathered in {other} in the {phase}{more}: gather in "
                     f"the compute dtype (all_gather_flat(shard, unit.dtype)), in backward too")
     # Every unit's weights are asked back in backward here (fc2's of every block): gathered again
     # once per unit, the bytes of one gather each. More is a gather per saved tensor.
-    once = sum(c.bytes for c in gathers(forward))
+    once = sum(c.bytes for c in of(forward, "all_gather"))
     if sum(c.bytes for c in again) > once:
         return (f"the backward all-gathered {sum(c.bytes for c in again)} bytes in {len(again)} all-gathers, where "
                 f"gathering each of the {len(units)} units once sends {once}",
@@ -474,10 +462,9 @@ def step_watched(me: Rank, wrapped, x, y, dtype, forward_calls: list, backward_c
     return None
 
 
-def synced(me: Rank, wrapped, counted: bool) -> str | None:
-    """finish_gradient_sync, with its all-reduces measured when `counted`: the replicated gradients,
-    each Parameter's once."""
-    with collectives() as calls:
+def synced(me: Rank, wrapped) -> str | None:
+    """finish_gradient_sync, its all-reduces measured: the replicated gradients, each Parameter's once."""
+    with recording() as recorder:
         try:
             wrapped.finish_gradient_sync()
         except (TypeError, AttributeError, RuntimeError) as error:
@@ -487,14 +474,13 @@ def synced(me: Rank, wrapped, counted: bool) -> str | None:
                         f"{without[0]} has no gradient (grad is None: {'frozen' if not dict(wrapped.names)[without[0]].requires_grad else 'unused'}) "
                         f"- average only the parameters whose .grad is not None")
             raise
-    if not counted:
-        return None
     replicated = {id(p): (n, p) for n, p in wrapped.names if id(p) not in wrapped.where and p.grad is not None}
     want = sum(p.grad.numel() * p.grad.element_size() for _, p in replicated.values())
-    sent = sum(c.bytes for c in all_reduces(calls))
+    reduces = recorder.of("all_reduce")
+    sent = sum(c.bytes for c in reduces)
     if sent > want:
         twice = [n for n, p in replicated.values()
-                 if sum(c.ptr == p.grad.data_ptr() for c in all_reduces(calls)) > 1]
+                 if sum(c.ptr == p.grad.data_ptr() for c in reduces) > 1]
         tied = [n for n in twice if sum(q is dict(wrapped.names)[n] for _, _, q in wrapped.replicated) > 1]
         who = (f"{tied[0]}, held by two layers, was all-reduced twice" if tied else
                f"{twice[0]} was all-reduced twice" if twice else "the replicated gradients were sent more than once")
@@ -564,11 +550,9 @@ def reference_grads(make, data, model_state: dict | None, dtype) -> tuple[dict, 
 
 def first_step(checks: Checks, me: Rank, wrapped, plan, x, y, dtype, expected: dict, local: dict) -> bool:
     """The first step's forward, backward and gradient sync, watched, then its gradients compared."""
-    forward, backward = [], []
-    if not checks.settle(step_watched(me, wrapped, x, y, dtype, forward, backward),
-                  lambda: probe_saved_tensors(wrapped)):
+    if not checks.settle(step_watched(me, wrapped, x, y, dtype), lambda: probe_saved_tensors(wrapped)):
         return False
-    if not checks.settle(synced(me, wrapped, counted=True)):
+    if not checks.settle(synced(me, wrapped)):
         return False
     return checks.settle(compare_grads(me, wrapped, plan, expected, local), lambda: probe_saved_tensors(wrapped))
 
@@ -665,22 +649,25 @@ def train(checks: Checks, me: Rank) -> bool:
     return True
 
 
-def mixed_precision(checks: Checks, me: Rank) -> bool:
-    """One step with compute_dtype=bf16: gathered and computed in bf16, reduced and stepped in fp32;
-    full_parameters() still the float32 master weights."""
-    plan = unit_plan(lab.make_model())
-    wrapped = lab.FullyShardedDP(lab.make_model(), BF16)
-    if not checks.settle(shards_mistake(me, wrapped, plan, BF16)):
+def one_step(checks: Checks, me: Rank, make, data, dtype, own: bool = False) -> bool:
+    """One step of FullyShardedDP(make(), dtype) on this rank's part of `data`, against each rank's
+    gradient computed alone by a model from `make` in `dtype` (the same bf16 operations as the
+    wrapper's), cast to fp32 and averaged: only the fp32 order of N additions differs, so the 1e-5
+    tolerance of compare_grads holds. full_parameters(), before and after, the float32 master weights."""
+    plan = unit_plan(make(), own)
+    wrapped = lab.FullyShardedDP(make(), dtype)
+    if not (checks.settle(shards_mistake(me, wrapped, plan, dtype))
+            and checks.settle(full_parameters_mistake(me, wrapped, make(), dtype))):
         return False
-    if not checks.settle(full_parameters_mistake(me, wrapped, lab.make_model(), BF16)):
-        return False
-    _, _, data = global_batch(0, me.world_size)
-    expected, local = reference_grads(lab.make_model, data, None, BF16)
+    expected, local = reference_grads(make, data, None, dtype)
     x, y = data[me.rank]
-    # The check computed each rank's bf16 gradient with a bf16 copy of the model (the same bf16
-    # operations as the wrapper's), cast it to fp32 and averaged: only the fp32 order of N
-    # additions differs, so the 1e-5 tolerance of compare_grads holds.
-    if not first_step(checks, me, wrapped, plan, x, y, BF16, expected, local[me.rank]):
+    return (first_step(checks, me, wrapped, plan, x, y, dtype, expected, local[me.rank])
+            and checks.settle(full_parameters_mistake(me, wrapped, make(), dtype)))
+
+
+def mixed_precision(checks: Checks, me: Rank) -> bool:
+    """One step with compute_dtype=bf16: gathered and computed in bf16, reduced and stepped in fp32."""
+    if not one_step(checks, me, lab.make_model, global_batch(0, me.world_size)[2], BF16):
         return False
     print0("bf16 compute, fp32 shards, reduce-scatter and full_parameters(): gradients equal to the bf16 reference "
            "within 1e-5")
@@ -716,15 +703,7 @@ def corners(checks: Checks, me: Rank, dtype) -> bool:
     generator = torch.Generator().manual_seed(lab.SEED + 16)
     data = [(torch.randn(5, 6, generator=generator), torch.randint(0, 4, (5,), generator=generator))
             for _ in range(me.world_size)]
-    plan = unit_plan(make_corner_model(), own=True)
-    wrapped = lab.FullyShardedDP(make_corner_model(), dtype)
-    if not checks.settle(shards_mistake(me, wrapped, plan, dtype)):
-        return False
-    expected, local = reference_grads(make_corner_model, data, None, dtype)
-    x, y = data[me.rank]
-    if not first_step(checks, me, wrapped, plan, x, y, dtype, expected, local[me.rank]):
-        return False
-    return checks.settle(full_parameters_mistake(me, wrapped, make_corner_model(), dtype))
+    return one_step(checks, me, make_corner_model, data, dtype, own=True)
 
 
 def main(me: Rank, checks: Checks) -> None:
