@@ -7,7 +7,6 @@ lab's X (this module never imports the lab).
 from __future__ import annotations
 
 import random
-import os
 from itertools import combinations
 from types import SimpleNamespace
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.compare import all_gather_tensor
+from ringside.effects import rank_gpu
 from ringside.standin import StandInDeviceError, StandInGPU
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -24,30 +24,31 @@ lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
 # --- The checks -----------------------------------------------------------------------------------
 
+def first_draws(device: torch.device, seed: int | None = None) -> dict:
+    """What each global generator draws next (`seed` None), or what a fresh one seeded with `seed` draws."""
+    def torch_rand(on: torch.device) -> list:
+        return torch.rand(4, device=on, generator=None if seed is None else
+                          torch.Generator(device=on).manual_seed(seed)).tolist()
+
+    draws = {"random": random.random() if seed is None else random.Random(seed).random(),
+             "np.random": float(np.random.random() if seed is None else np.random.RandomState(seed).random_sample()),
+             "torch": torch_rand(torch.device("cpu"))}
+    if device.type != "cpu":
+        draws[f"torch on {device.type}"] = torch_rand(device)
+    return draws
+
+
 def check_seed_everything(checks: Checks, rank: int, device: torch.device) -> None:
     """Each global generator must continue exactly as a fresh one seeded with SEED + rank."""
     want = lab.SEED + rank
     got = lab.seed_everything(lab.SEED, rank)
-    draws = {"random": random.random(), "np.random": float(np.random.random()),
-             "torch": torch.rand(4).tolist()}
-    if device.type != "cpu":
-        draws[f"torch on {device.type}"] = torch.rand(4, device=device).tolist()
-    expected = {"random": random.Random(want).random(), "np.random": float(np.random.RandomState(want).random_sample()),
-                "torch": torch.rand(4, generator=torch.Generator().manual_seed(want)).tolist()}
-    if device.type != "cpu":
-        expected[f"torch on {device.type}"] = torch.rand(
-            4, device=device, generator=torch.Generator(device=device).manual_seed(want)).tolist()
-    shared = {"random": random.Random(lab.SEED).random(),
-              "np.random": float(np.random.RandomState(lab.SEED).random_sample()),
-              "torch": torch.rand(4, generator=torch.Generator().manual_seed(lab.SEED)).tolist()}
-    if device.type != "cpu":
-        shared[f"torch on {device.type}"] = torch.rand(
-            4, device=device, generator=torch.Generator(device=device).manual_seed(lab.SEED)).tolist()
+    draws = first_draws(device)
+    expected, shared = first_draws(device, want), first_draws(device, lab.SEED)
     checks.expect(got == want, f"seed_everything returned {got}, expected seed + rank = {want}")
     for name in expected:
         if draws[name] == expected[name]:
             continue
-        if draws[name] == shared.get(name):
+        if draws[name] == shared[name]:
             checks.fail(f"{name} is seeded with the shared seed {lab.SEED}: use seed + rank, so that ranks draw "
                         f"differently")
         else:
@@ -116,19 +117,6 @@ def check_streams_kept(checks: Checks, rank: int, device: torch.device) -> bool:
     return True
 
 
-def local_gpus() -> tuple[int, int]:
-    """(GPUs on this node, this rank's GPU) as a GPU job would have them: one GPU per local rank."""
-    mine = int(os.environ.get("LOCAL_RANK", 0))
-    return max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), mine + 1), mine
-
-
-def stand_in(*functions) -> StandInGPU:
-    """A stand-in GPU per local rank (see ringside.standin), this rank's one current, reaching the
-    names the lab's module imported from torch.cuda too."""
-    count, mine = local_gpus()
-    return StandInGPU(devices=count, current=mine, namespaces=[f.__globals__ for f in functions])
-
-
 def gpu_state_finding(after: bytes, before: bytes, seed: int, rank_seed: int, gpu: str) -> str | None:
     """What a function left in this rank's GPU generator (`gpu`), compared with before it ran."""
     if after == before:
@@ -154,18 +142,17 @@ def check_gpu_stream_kept(checks: Checks, rank: int, device: torch.device) -> No
     (torch.manual_seed, fork_rng, get/set_rng_state, torch.cuda.*), only the state is compared."""
     if device.type != "cpu":
         return  # on a GPU check_streams_kept sees the real CUDA generator
-    count, mine = local_gpus()
-    gpu = f"cuda:{mine}"
-    with stand_in(lab.seed_everything, lab.build_model) as fake:
+    with rank_gpu(lab.seed_everything, lab.build_model) as (fake, _):
+        gpu = str(fake.device)
         try:
             lab.seed_everything(lab.SEED, rank)
-            fake.draw(mine)
+            fake.draw(fake.device.index)
             before = fake.states()[gpu]
-            lab.build_model(lab.SEED, torch.device("cuda", mine))
+            lab.build_model(lab.SEED, fake.device)
             after = fake.states()[gpu]
         except StandInDeviceError as error:
             checks.fail(f"on a GPU, build_model would ask for a GPU this node lacks ({error}; rehearsed with device "
-                        f"{gpu}, LOCAL_RANK {mine}): a rank's GPU is its local rank's")
+                        f"{gpu}, LOCAL_RANK {fake.device.index}): a rank's GPU is its local rank's")
             return
         except Exception as error:
             if not StandInGPU.unjudgeable(error):
@@ -182,19 +169,18 @@ def check_gpu_seeded(checks: Checks, rank: int, device: torch.device) -> None:
     the same on every rank."""
     if device.type != "cpu":
         return  # check_seed_everything draws from the real GPU
-    count, mine = local_gpus()
-    with stand_in(lab.seed_everything) as fake:
-        fake.draw(mine)
+    with rank_gpu(lab.seed_everything) as (fake, _):
+        fake.draw(fake.device.index)
         lab.seed_everything(lab.SEED, rank)
-        got = fake.states()[f"cuda:{mine}"]
+        got = fake.states()[str(fake.device)]
     if got == StandInGPU.seeded_state(lab.SEED + rank):
         checks.expect(True, "")
     elif got == StandInGPU.seeded_state(lab.SEED):
         checks.fail(f"on a GPU, seed_everything would seed this rank's CUDA generator with the shared seed {lab.SEED} "
-                    f"(rehearsed with a stand-in cuda:{mine}): use seed + rank, so that ranks draw differently")
+                    f"(rehearsed with a stand-in {fake.device}): use seed + rank, so that ranks draw differently")
     else:
         checks.fail(f"on a GPU, seed_everything would leave this rank's CUDA generator unseeded (rehearsed with a "
-                    f"stand-in cuda:{mine}): its dropout masks would not follow seed + rank - torch.manual_seed "
+                    f"stand-in {fake.device}): its dropout masks would not follow seed + rank - torch.manual_seed "
                     f"seeds the CPU and every GPU; the CPU's own generator alone does not")
 
 
