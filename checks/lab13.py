@@ -292,18 +292,20 @@ def check_gather(checks: Checks, me: Rank) -> bool:
     size = -(-19 // me.world_size)
     shard = torch.arange(size, dtype=torch.float32, device=me.device) + (me.rank + 1) * 1000
     expected = torch.cat([torch.arange(size, dtype=torch.float32) + (r + 1) * 1000 for r in range(me.world_size)])[:19]
-    with counting_collectives() as calls:
-        try:
-            lab.gather_params(shard, params)
-        except RuntimeError as error:
-            text = str(error).strip().splitlines()[0]
-            hint = (" - strip the padding: keep the first numel elements of the gathered vector before splitting"
-                    if "split" in text
-                    else " - copy_ needs the parameter's shape: reshape each slice first (new.view_as(p))"
-                    if "must match the size" in text
-                    else " - strip the padding: keep the first numel elements, split them by the parameters' numel()"
-                    if "size" in text or "shape" in text else "")
-            return checks.expect(False, f"gather_params raised RuntimeError: {text}{hint}")
+    try:
+        seen = watch(GATHER, lab.gather_params, shard, params, namespaces=lab_namespaces(lab))
+    except RuntimeError as error:
+        text = str(error).strip().splitlines()[0]
+        hint = (" - strip the padding: keep the first numel elements of the gathered vector before splitting"
+                if "split" in text
+                else " - copy_ needs the parameter's shape: reshape each slice first (new.view_as(p))"
+                if "must match the size" in text
+                else " - strip the padding: keep the first numel elements, split them by the parameters' numel()"
+                if "size" in text or "shape" in text else "")
+        return checks.expect(False, f"gather_params raised RuntimeError: {text}{hint}")
+    if seen.problem:  # a request never waited for, the shard changed: named before any value
+        return checks.expect(False, seen.problem)
+    calls = [(c.op, c.whole_bytes) for c in seen.calls]
     got = flat_params(nn.ParameterList(params))
     if not any(name.startswith("all_gather") for name, _ in calls) and torch.equal(got, expected):
         sent, gather = ring_bytes_sent(calls, me.world_size), ring_bytes_sent([("all_gather", size * me.world_size * 4)],
