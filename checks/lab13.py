@@ -36,18 +36,6 @@ ADAM = Contract("adam_update", changes=("param", "exp_avg", "exp_avg_sq"),
                 honours={"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-3})
 GATHER = Contract("gather_params", changes=("params",))
 
-@contextmanager
-def counting_collectives():
-    """Inside the block, every collective the lab's code makes is recorded by ringside.calls, whatever
-    name it calls it by; after the block the list holds (name, bytes of the whole tensor it works on:
-    an all-gather's output, a reduce-scatter's input) for each. The check's own *_object calls (made
-    while it watches adam_update) are left out."""
-    calls = []
-    with Recorder(namespaces=lab_namespaces(lab)) as recorder:
-        yield calls
-    calls.extend((c.op, c.whole_bytes) for c in recorder.calls if not c.op.endswith("_object"))
-
-
 # What each collective sends per rank on a ring, as a fraction of the whole tensor S it works on
 # (chapter 04): all-reduce 2(N-1)/N * S; reduce-scatter and all-gather (N-1)/N * S each.
 def ring_bytes_sent(calls, world_size: int) -> float:
@@ -549,7 +537,8 @@ def train_both(checks: Checks, me: Rank) -> bool:
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()      # this rank's gradient only: your step averages
         before = flat_params(model)
-        with counting_collectives() as calls, recording_adam_updates(optimizer.stop - optimizer.start) as updates:
+        with Recorder(namespaces=lab_namespaces(lab)) as recorder, \
+                recording_adam_updates(optimizer.stop - optimizer.start) as updates:
             try:
                 optimizer.step()
             except WrongShardSize as error:
@@ -559,6 +548,8 @@ def train_both(checks: Checks, me: Rank) -> bool:
                 checks.fail(f"step {step} raised ZeroDivisionError ({error}): Adam's bias correction "
                             f"1 - beta**t is 0 for t = 0 - count the step before the update (the first step has t = 1)")
                 return
+        # (name, bytes of the whole tensor it works on) for each collective, the check's own *_object calls left out
+        calls = [(c.op, c.whole_bytes) for c in recorder.calls if not c.op.endswith("_object")]
         if step == 1:
             check_traffic(checks, me, calls, optimizer.numel)
             # After the first step: an optimizer that builds its state lazily (an inner torch.optim.Adam) has it now.
