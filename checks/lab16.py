@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
 from ringside.effects import Contract, Inputs, on_rank_gpu, storage_excess, watch
-from ringside.lab import everyone, ranks_count
+from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -155,12 +155,10 @@ def kept_alive(got: list[torch.Tensor], numel: int, n_ranks: int, size: int) -> 
     for r, g in enumerate(got):
         if (excess := storage_excess(g)) is not None:
             held, own = excess
-            whole = (size * n_ranks) * g.element_size()
-            what = (f"the whole padded vector ({size * n_ranks} elements)" if held == whole
-                    else f"{held // g.element_size()} elements")
+            whole = held == size * n_ranks * g.element_size()
             return (f"shard_of({elements(numel)}, world_size={n_ranks}) for rank {r} returned {elements(g.numel())} "
-                    f"whose storage holds {held} bytes, {what}, where the shard needs {own}: the shard keeps "
-                    + ("the whole padded unit alive" if held == whole else "a larger tensor alive")
+                    f"whose storage holds {held} bytes ({held // g.element_size()} elements), where the shard needs "
+                    f"{own}: the shard keeps " + ("the whole padded unit alive" if whole else "a larger tensor alive")
                     + " (a view of a temporary), so memory is not sharded - return a new tensor of its own "
                       "(.clone() the piece)")
     return None
