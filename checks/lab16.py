@@ -111,8 +111,7 @@ def shard_of_mistake(numel: int, n_ranks: int) -> str | None:
     flat = torch.arange(1.0, numel + 1.0)
     inputs = Inputs(flat=flat)
     size = -(-numel // n_ranks)
-    padded = torch.cat([flat, torch.zeros(size * n_ranks - numel)])
-    want = [padded[r * size:(r + 1) * size] for r in range(n_ranks)]
+    want = [expected_shard(flat, r, n_ranks) for r in range(n_ranks)]
     got = [lab.shard_of(flat, r, n_ranks) for r in range(n_ranks)]
     if inputs.changed():
         return f"shard_of changed the vector it was given ({elements(numel)}, world_size={n_ranks}): leave it as it is"
@@ -290,13 +289,12 @@ def shards_mistake(me: Rank, wrapped, plan, dtype) -> str | None:
                 f"replicated parameters in float32, cast only what is gathered")
     for (_, names, flat, layer), shard in zip(plan, shards):
         size = -(-flat.numel() // me.world_size)
-        padded = torch.cat([flat, flat.new_zeros(size * me.world_size - flat.numel())])
-        want = padded[me.rank * size:(me.rank + 1) * size]
         if shard.numel() != size:
             return (f"{layer}: this rank's shard has {shard.numel()} elements, expected "
                     f"ceil({flat.numel()} / {me.world_size}) = {size}")
-        if not torch.equal(shard.detach().float(), want):
-            owner = [r for r in range(me.world_size) if torch.equal(shard.detach().float(), padded[r * size:(r + 1) * size])]
+        if not torch.equal(shard.detach().float(), expected_shard(flat, me.rank, me.world_size)):
+            owner = [r for r in range(me.world_size)
+                     if torch.equal(shard.detach().float(), expected_shard(flat, r, me.world_size))]
             return (f"{layer}: rank {me.rank} holds the shard of rank {owner[0]} - a shard of the wrong rank"
                     if owner else
                     f"{layer}: this rank's shard is not [{me.rank * size}:{(me.rank + 1) * size}] of the "
@@ -312,9 +310,10 @@ def global_batch(step: int, world_size: int):
     return torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]), data
 
 
-def expected_shard(flat_grad: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    size = -(-flat_grad.numel() // world_size)
-    return torch.cat([flat_grad, flat_grad.new_zeros(size * world_size - flat_grad.numel())])[rank * size:(rank + 1) * size]
+def expected_shard(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s piece of `flat`, zero-padded to a multiple of world_size (built here, not by shard_of)."""
+    size = -(-flat.numel() // world_size)
+    return torch.cat([flat, flat.new_zeros(size * world_size - flat.numel())])[rank * size:(rank + 1) * size]
 
 
 def matrix_at_offset(unit) -> tuple[str, int, torch.Size] | None:
