@@ -85,12 +85,9 @@ def check_shard_range(checks: Checks, me: Rank) -> bool:
         if ranges == expected:
             continue
         ok = False
-        covered = [0] * max([padded] + [stop for _, stop in ranges])
-        for start, stop in ranges:
-            for i in range(max(start, 0), max(stop, 0)):
-                covered[i] += 1
-        skipped = [i for i in range(numel) if covered[i] == 0]
-        repeated = [i for i in range(len(covered)) if covered[i] > 1]
+        covered = collections.Counter(i for start, stop in ranges for i in range(max(start, 0), stop))
+        skipped = [i for i in range(numel) if not covered[i]]
+        repeated = sorted(i for i, times in covered.items() if times > 1)
         if sorted(ranges) == expected:
             swapped = next(r for r in range(me.world_size) if ranges[r] != expected[r])
             checks.fail(f"shard_range({numel}): rank {swapped} took the shard {ranges[swapped]}, which belongs to rank "
