@@ -650,11 +650,10 @@ def one_step(checks: Checks, me: Rank, make, data, dtype, own: bool = False) -> 
     """One step of FullyShardedDP(make(), dtype) on this rank's part of `data`, against each rank's
     gradient computed alone by a model from `make` in `dtype` (the same bf16 operations as the
     wrapper's), cast to fp32 and averaged: only the fp32 order of N additions differs, so the 1e-5
-    tolerance of compare_grads holds. full_parameters(), before and after, the float32 master weights."""
+    tolerance of compare_grads holds. full_parameters() after it: the float32 master weights."""
     plan = unit_plan(make(), own)
     wrapped = lab.FullyShardedDP(make(), dtype)
-    if not (checks.settle(shards_mistake(me, wrapped, plan, dtype))
-            and checks.settle(full_parameters_mistake(me, wrapped, make(), dtype))):
+    if not checks.settle(shards_mistake(me, wrapped, plan, dtype)):
         return False
     expected, local = reference_grads(make, data, None, dtype)
     x, y = data[me.rank]
