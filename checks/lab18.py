@@ -138,11 +138,6 @@ def check_terms_case(me: Rank, what: str, grads, position: int, micro_batch: int
     return seen + " - |G|^2 ~ (B_big |G_big|^2 - B_small |G_small|^2)/(B_big - B_small), B_small = micro_batch"
 
 
-def halves(n: int) -> tuple[list[int], list[int]]:
-    first = list(range((n + 1) // 2))
-    return first, list(range(len(first), n))
-
-
 def check_noise_terms(checks: Checks, me: Rank) -> bool:
     n = me.world_size
     cases = [  # (seed, micro-batches per rank, micro_batch, dim, dtype): never the lab's own (2 x 8)
@@ -155,7 +150,7 @@ def check_noise_terms(checks: Checks, me: Rank) -> bool:
         if not checks.settle(check_terms_case(me, what, grads, me.rank, micro_batch, dtype, None)):
             return False
     # Two subgroups side by side (ranks 0..k-1 and the rest): each must estimate from its own members only.
-    parts = halves(n)
+    parts = list(range((n + 1) // 2)), list(range((n + 1) // 2, n))
     groups = [dist.new_group(part) if part and n > 1 else None for part in parts]
     part = 0 if me.rank in parts[0] else 1
     members = parts[part]
