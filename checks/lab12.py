@@ -34,11 +34,9 @@ BLOCKING = ("wait", "synchronize", "future.wait", "future.value", "wait_all")
 
 @contextmanager
 def recording_all_reduce(events: list, buffers: list | None = None, raced: list | None = None) -> Iterator[None]:
-    """For the block, every all-reduce - through torch.distributed, the module it comes from, or a
-    name the lab imported directly (ringside.calls.Recorder) - notes ("launch", elements, async?,
-    a copy of the buffer at launch) in `events`, and ("wait", how) once the lab's code has seen it
-    finish, whichever way it waited (Work.wait, get_future().wait(), .then, .value(), ...). `raced`
-    gets the elements of each all-reduce whose buffer the lab's code changed while it was in flight."""
+    """For the block, every all-reduce (ringside.calls.Recorder) notes ("launch", elements, async?, a copy of
+    the buffer at launch) in `events`, and ("wait", how) once the lab's code has seen it finish, however it
+    waited. `raced` gets the elements of each all-reduce whose buffer it changed while in flight."""
     def launched(call):
         if call.family == "all_reduce":
             events.append(("launch", call.numel, call.async_op, call.snapshot[0]))
@@ -516,10 +514,8 @@ def main(me: Rank, checks: Checks) -> None:
     try:
         with recording_all_reduce(events, buffers, raced):
             lab.train(hand, windows, me.device, events=events, after_first=grab)
-    except Exception:
-        check_async(checks, events, me.rank)  # a blocking all_reduce returns no Work to wait on
-        raise
-    check_async(checks, events, me.rank)
+    finally:  # also when it raised: a blocking all_reduce returns no Work to wait on
+        check_async(checks, events, me.rank)
     if raced:  # whatever the timing: its effect on the sums depends on who got there first
         checks.fail(f"rank {me.rank}: the buffer of a bucket of {raced[0]} elements was changed (divided?) after its "
                     f"all-reduce was launched and before its work.wait() returns: what the ranks sum is then "
