@@ -61,11 +61,7 @@ def reference_weights(dataset, world_size: int) -> torch.Tensor:
     optimizer = torch.optim.SGD(model.parameters(), lr=lab.LR)
     x_all, y_all = dataset.tensors
     for epoch in range(lab.EPOCHS):
-        shards = []
-        for rank in range(world_size):
-            sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=lab.SEED)
-            sampler.set_epoch(epoch)
-            shards.append(list(sampler))
+        shards = reference_shards(epoch, world_size)
         for start in range(0, len(shards[0]), lab.BATCH_PER_RANK):
             batch = torch.tensor([i for shard in shards for i in shard[start:start + lab.BATCH_PER_RANK]])
             optimizer.zero_grad()
@@ -147,11 +143,10 @@ def check_loader(checks: Checks, loader: DataLoader, dataset: Dataset) -> bool:
     sampler = sampler_of(loader)
     if not isinstance(sampler, DistributedSampler):
         if loader.dataset is not dataset:  # split by hand (a Subset, a slice): each rank shuffles alone
-            checks.fail(f"the DataLoader reads {len(loader.dataset)} of the {len(dataset)} samples with a "
-                        f"{type(sampler).__name__}: a split by hand does not shuffle all the data in one order "
-                        f"with SEED, nor anew each epoch - give it the whole dataset and "
-                        f"sampler=DistributedSampler(dataset, shuffle=True, seed=SEED)")
-            return False
+            return checks.expect(False, f"the DataLoader reads {len(loader.dataset)} of the {len(dataset)} samples with a "
+                                        f"{type(sampler).__name__}: a split by hand does not shuffle all the data in one order "
+                                        f"with SEED, nor anew each epoch - give it the whole dataset and "
+                                        f"sampler=DistributedSampler(dataset, shuffle=True, seed=SEED)")
         return checks.expect(False, f"the DataLoader samples with a {type(sampler).__name__}, so every rank would "
                                     f"train on the same samples - give it sampler=DistributedSampler(dataset, "
                                     f"shuffle=True, seed=SEED)")
@@ -296,8 +291,7 @@ def train_in_step(checks: Checks, model: nn.Module, loader: DataLoader, device: 
                 raise
             ledger.announce("the end of training")
     except RanksParted as parted:
-        checks.fail(str(parted))
-        return False
+        return checks.expect(False, str(parted))
     return True
 
 
@@ -345,13 +339,11 @@ def check_data(checks: Checks, seen: list[list[int]], sampler) -> bool:
 
 def reference_shards(epoch: int, world_size: int) -> list[list[int]]:
     """What DistributedSampler(seed=SEED) gives each rank in `epoch` (the lab's data set size)."""
-    shards = []
-    for rank in range(world_size):
-        sampler = DistributedSampler(range(lab.SAMPLES), num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=lab.SEED)
+    samplers = [DistributedSampler(range(lab.SAMPLES), num_replicas=world_size, rank=rank, seed=lab.SEED)
+                for rank in range(world_size)]
+    for sampler in samplers:
         sampler.set_epoch(epoch)
-        shards.append(list(sampler))
-    return shards
+    return [list(sampler) for sampler in samplers]
 
 
 def check_logging(checks: Checks, printed: str) -> None:
@@ -403,7 +395,8 @@ def unwrapped_hint(model: nn.Module) -> str:
 
 
 def agreed(ok: bool) -> bool:
-    """True on every rank when it is True on every rank: the ranks go on or stop together."""
+    """True on every rank when it is True on every rank: the ranks go on or stop together (objects, not
+    ringside.lab.everyone's tensor: setup() is the learner's, and the GPU it chose is not known here)."""
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, ok)
     return all(verdicts)

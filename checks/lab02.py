@@ -384,10 +384,9 @@ def halo_case(me: Rank, checks: Checks, size: int, width: int, show: bool, devic
     except RuntimeError as error:  # a wait that timed out: say what the calls showed
         if "mistakes" not in seen or "timed out" not in str(error).lower() and "closed" not in str(error).lower():
             raise
-        checks.fail("the halo exchange never finished (a wait timed out: likely a deadlock, or a neighbour "
-                    "stopped - see the other ranks' lines)"
-                    + (" - " + "; ".join(seen["mistakes"]) if seen["mistakes"] else ""))
-        return False
+        return checks.expect(False, "the halo exchange never finished (a wait timed out: likely a deadlock, or a neighbour "
+                                    "stopped - see the other ranks' lines)"
+                                    + (" - " + "; ".join(seen["mistakes"]) if seen["mistakes"] else ""))
     for mistake in seen["mistakes"]:
         checks.fail(mistake)
     if never_waited(calls.calls):  # read before they arrived: named above, the values say nothing more

@@ -134,11 +134,12 @@ def check_replicas(checks: Checks, model: nn.Module, train_set: TensorDataset) -
     # Judged by the effect, whatever the layers' class (lab 07's own SyncBatchNorm is right too): one
     # training-mode forward of a copy, each rank on other images; synchronized statistics leave every
     # rank's running statistics equal, a rank's own batch statistics do not.
-    net = copy_module(model)
+    net = copy.deepcopy(getattr(model, "module", model))  # a copy: the run's own network stays as it was
     stats = [b for name, b in net.named_buffers() if name.rsplit(".", 1)[-1] in ("running_mean", "running_var")]
     if not stats:
         return
-    images = images_for_rank(net, train_set, dist.get_rank())
+    rank = dist.get_rank()  # 16 training images, others on each rank
+    images = train_set.tensors[0][16 * rank:16 * (rank + 1)].to(next(net.parameters()).device)
     net.train()
     with torch.no_grad():
         net(images)
@@ -149,17 +150,6 @@ def check_replicas(checks: Checks, model: nn.Module, train_set: TensorDataset) -
                   f"differ between ranks (max diff {worst:.2e}): some BatchNorm layers are not synchronized, so "
                   f"each rank normalizes with its own small batch - call convert_sync_batchnorm(net) before "
                   f"wrapping in DDP")
-
-
-def copy_module(model: nn.Module) -> nn.Module:
-    """A copy of the trained network (inside DDP), so the check's forward changes nothing of the run's."""
-    return copy.deepcopy(getattr(model, "module", model))
-
-
-def images_for_rank(net: nn.Module, train_set: TensorDataset, rank: int) -> torch.Tensor:
-    """16 training images, others on each rank, on the network's device."""
-    device = next(net.parameters()).device
-    return train_set.tensors[0][16 * rank:16 * (rank + 1)].to(device)
 
 
 AMP_HINTS = {

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -35,11 +34,9 @@ BLOCKING = ("wait", "synchronize", "future.wait", "future.value", "wait_all")
 
 @contextmanager
 def recording_all_reduce(events: list, buffers: list | None = None, raced: list | None = None) -> Iterator[None]:
-    """For the block, every all-reduce - through torch.distributed, the module it comes from, or a
-    name the lab imported directly (ringside.calls.Recorder) - notes ("launch", elements, async?,
-    a copy of the buffer at launch) in `events`, and ("wait", how) once the lab's code has seen it
-    finish, whichever way it waited (Work.wait, get_future().wait(), .then, .value(), ...). `raced`
-    gets the elements of each all-reduce whose buffer the lab's code changed while it was in flight."""
+    """For the block, every all-reduce (ringside.calls.Recorder) notes ("launch", elements, async?, a copy of
+    the buffer at launch) in `events`, and ("wait", how) once the lab's code has seen it finish, however it
+    waited. `raced` gets the elements of each all-reduce whose buffer it changed while in flight."""
     def launched(call):
         if call.family == "all_reduce":
             events.append(("launch", call.numel, call.async_op, call.snapshot[0]))
@@ -68,19 +65,18 @@ def check_buckets(checks: Checks, params: list, buckets) -> bool:
     exact = lab.make_buckets([torch.empty(20), torch.empty(30), torch.empty(70)], 100)
     over = lab.make_buckets([torch.empty(150), torch.empty(150)], 100)  # over the cap: closed either way
     if exact == [[2, 1, 0]] and over == [[1], [0]]:  # 70 + 30 lands exactly on the cap (the lab's model never does)
-        checks.fail("make_buckets([20, 30, 70 elements], cap 100) gave [[2, 1, 0]], expected [[2, 1], [0]]: "
-                    "a bucket that holds exactly cap elements is full - close it at size >= cap, not > cap")
-        return False
+        return checks.expect(False, "make_buckets([20, 30, 70 elements], cap 100) gave [[2, 1, 0]], expected [[2, 1], "
+                                    "[0]]: a bucket that holds exactly cap elements is full - close it at size >= cap, "
+                                    "not > cap")
     if exact == [[2, 1]] and over == [[1], [0]]:  # the lab's model fills its last bucket; most models do not
-        checks.fail("make_buckets([20, 30, 70 elements], cap 100) gave [[2, 1]], expected [[2, 1], [0]]: parameter 0 "
-                    "is in no bucket - the last bucket is rarely full: after the loop, keep the one still being filled")
-        return False
+        return checks.expect(False, "make_buckets([20, 30, 70 elements], cap 100) gave [[2, 1]], expected [[2, 1], "
+                                    "[0]]: parameter 0 is in no bucket - the last bucket is rarely full: after the "
+                                    "loop, keep the one still being filled")
     n = len(params)
     try:
         flat = [int(i) for bucket in buckets for i in bucket]
     except TypeError:
-        checks.fail(f"make_buckets returned {type(buckets).__name__}, not a list of lists of indices")
-        return False
+        return checks.expect(False, f"make_buckets returned {type(buckets).__name__}, not a list of lists of indices")
     missing = sorted(set(range(n)) - set(flat))
     strange = sorted(set(flat) - set(range(n)))
     repeated = sorted({i for i in flat if flat.count(i) > 1})
@@ -89,9 +85,8 @@ def check_buckets(checks: Checks, params: list, buckets) -> bool:
                  f"in the reversed range?)" if missing else
                  f"index(es) {strange} are not parameter indices (0 to {n - 1})" if strange else
                  f"parameter(s) {repeated} are in more than one bucket")
-        checks.fail(f"the buckets hold indices {flat} for {n} parameters: {found} - every index must be in exactly "
-                    f"one bucket")
-        return False
+        return checks.expect(False, f"the buckets hold indices {flat} for {n} parameters: {found} - every index "
+                                    "must be in exactly one bucket")
     if flat != list(reversed(range(n))):
         if flat == list(range(n)):
             checks.fail("buckets in forward order: parameter 0 (the first layer) comes first, but backward produces "
@@ -122,120 +117,104 @@ def check_async(checks: Checks, events: list, rank: int) -> None:
                     f"network - launch it asynchronously and wait later")
 
 
-def check_events(checks: Checks, events: list, buckets: list, sizes: list[int], rank: int,
-                 sync_at_forward: list | None = None) -> bool:
-    """Read the recorded order of events, window by window: `buckets` are the lab's buckets
-    (make_buckets, already checked) and `sizes` their element counts. False at the first finding."""
-    n_buckets = len(buckets)
-    windows, current = [], []
-    for event in events:
-        if event[0] == "window end":
-            windows.append(current)
-            current = []
-        else:
-            current.append(event)
+def events_problem(events: list, buckets: list, sizes: list[int], sync_at_forward: list) -> str | None:
+    """The recorded order of events, window by window: `buckets` are the lab's buckets (make_buckets,
+    already checked) and `sizes` their element counts. The first finding, or None."""
+    ends = [i for i, e in enumerate(events) if e[0] == "window end"]
+    windows = [events[start + 1:end] for start, end in zip([-1] + ends, ends)]
     for w, window in enumerate(windows, start=1):
-        # Split the window into micro-batches: each starts with a forward.
-        micro, segments = [], []
-        for event in window:
-            if event[0] == "forward" and micro:
-                segments.append(micro)
-                micro = []
-            micro.append(event)
-        segments.append(micro)
-        if len(segments) != lab.ACCUM:
-            checks.fail(f"rank {rank}, window {w}: {len(segments)} forward passes, expected {lab.ACCUM} micro-batches")
-            return False
-        early = sum(e[0] == "launch" for s in segments[:-1] for e in s)
-        # sync as the forward found it (a pre-hook on the model), not as the learner's forward set its flag
-        at = (w - 1) * lab.ACCUM
-        synced = [k for k in range(lab.ACCUM - 1)
-                  if sync_at_forward is not None and at + k < len(sync_at_forward) and sync_at_forward[at + k][0]]
-        if early and synced:  # DDP decides at the forward: a forward with sync on makes its backward reduce
-            k = synced[0]
-            if sync_at_forward[at + k][1]:  # inside the learner's no_sync() block, yet sync was on
-                checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} "
-                            f"micro-batches: the forward of micro-batch {k} ran inside no_sync() with sync still on - "
-                            f"reducing during accumulation wastes {lab.ACCUM - 1} of every {lab.ACCUM} communications: "
-                            f"no_sync() must turn sync off for its block (and on again after it)")
-            else:
-                checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} "
-                            f"micro-batches: the forward of micro-batch {k} ran with sync on (outside no_sync()), so "
-                            f"its backward reduces, as DDP's would - in train_window run each accumulating "
-                            f"micro-batch's forward AND backward inside `with model.no_sync():`")
-            return False
-        if early:
-            checks.fail(f"rank {rank}, window {w}: {early} all-reduces during the first {lab.ACCUM - 1} micro-batches "
-                        f"- reducing during accumulation wastes {lab.ACCUM - 1} of every {lab.ACCUM} communications: "
-                        f"inside no_sync() the hook must do nothing")
-            return False
-        last = segments[-1]
-        launches = [i for i, e in enumerate(last) if e[0] == "launch"]
-        readies = [i for i, e in enumerate(last) if e[0] == "ready"]
-        waits = [i for i, e in enumerate(last) if e[0] == "wait"]
-        blocking = [i for i, e in enumerate(last) if e[0] == "wait" and e[1] in BLOCKING]
-        steps = [i for i, e in enumerate(last) if e[0] == "step"]
-        if len(launches) != n_buckets:
-            hint = (" - the last backward of a window must run outside no_sync(), with sync on again"
-                    if not launches and w == 1 else
-                    " - does the hook start again from bucket 0 in every window (is all of its state reset after each window)?"
-                    if w > 1 else "")
-            checks.fail(f"rank {rank}, window {w}: {len(launches)} all-reduces on the last micro-batch, expected one "
-                        f"per bucket ({n_buckets}){hint}")
-            return False
-        if blocking and readies and blocking[0] < readies[-1]:
-            checks.fail(f"rank {rank}, window {w}: waited for an all-reduce while gradients were still arriving "
-                        f"- waiting inside the hook stalls backward; keep the Work and wait in "
-                        f"finish_gradient_sync()")
-            return False
-        if launches[0] > readies[-1]:
-            if not last[0][1]:  # the last forward ran with sync off: only finish_gradient_sync launched
-                k = w * lab.ACCUM - 1  # that forward, in sync_at_forward
-                outside = sync_at_forward is not None and k < len(sync_at_forward) and not sync_at_forward[k][1]
-                checks.fail(f"rank {rank}, window {w}: the last micro-batch's forward ran with sync off, so its "
-                            f"backward launched nothing - "
-                            + ("it ran outside no_sync(), which left sync off after its block: no_sync() must "
-                               "leave the model with sync on again when its block ends (try/finally)" if outside else
-                               "the last forward and backward of a window must run outside no_sync(), with sync on again"))
-            elif w > 1:
-                checks.fail(f"rank {rank}, window {w}: every all-reduce started after backward ended, though "
-                            f"window 1's overlapped - is what the hook counts (gradients arrived per bucket) reset "
-                            f"after each window?")
-            else:
-                checks.fail(f"rank {rank}, window {w}: every all-reduce started after the last gradient was ready - "
-                            f"nothing overlaps backward: launch a bucket from the hook as soon as all of its gradients "
-                            f"have arrived (and its turn has come) - is each gradient counted in the bucket that holds it?")
-            return False
-        launched = [last[i][1] for i in launches]
-        if launched != sizes:
-            checks.fail(f"rank {rank}, window {w}: the all-reduces had {launched} elements, but the buckets in index "
-                        f"order have {sizes}: all-reduce each bucket as one buffer, bucket 0 first")
-            return False
-        for k, i in enumerate(launches):
-            arrived = {e[1] for e in last[:i] if e[0] == "ready"}
-            early = [index for index in buckets[k] if index not in arrived]
-            if early and any(e[0] == "ready" for e in last[i:]):  # launched during backward, too soon
-                checks.fail(f"rank {rank}, window {w}: bucket {k} was all-reduced before the gradient(s) of its "
-                            f"parameter(s) {early} had arrived - a bucket is complete only once every gradient it "
-                            f"holds is ready: count each gradient in the bucket that holds it")
-                return False
-        if len(waits) != n_buckets:
-            checks.fail(f"rank {rank}, window {w}: {len(waits)} of the window's {n_buckets} all-reduces were seen "
-                        f"to finish (by a wait, a future's wait or value, or a callback) - "
-                        + ("never waited: wait for every pending all-reduce before the step"
-                           if not waits else "forget the all-reduces already waited on after each window (empty the pending list)"))
-            return False
-        if not steps:
-            checks.fail(f"rank {rank}, window {w}: optimizer.step() was never called at the end of the window")
-            return False
-        if steps[0] < waits[-1]:
-            checks.fail(f"rank {rank}, window {w}: the optimizer stepped before every all-reduce had finished - "
-                        f"call finish_gradient_sync() before optimizer.step()")
-            return False
-    return checks.expect(len(windows) == lab.WINDOWS, f"rank {rank}: {len(windows)} windows trained, expected {lab.WINDOWS}")
+        wrong = window_problem(window, w, buckets, sizes, sync_at_forward)
+        if wrong:
+            return f"window {w}: {wrong}"
+    if len(windows) != lab.WINDOWS:
+        return f"{len(windows)} windows trained, expected {lab.WINDOWS}"
+    return None
 
 
-def check_contents(checks: Checks, events: list, buckets: list, local: list, world_size: int, rank: int) -> bool:
+def window_problem(window: list, w: int, buckets: list, sizes: list[int], sync_at_forward: list) -> str | None:
+    accum, n_buckets = lab.ACCUM, len(buckets)
+    micro, segments = [], []  # the window's micro-batches: each starts with a forward
+    for event in window:
+        if event[0] == "forward" and micro:
+            segments.append(micro)
+            micro = []
+        micro.append(event)
+    segments.append(micro)
+    if len(segments) != accum:
+        return f"{len(segments)} forward passes, expected {accum} micro-batches"
+    early = sum(e[0] == "launch" for s in segments[:-1] for e in s)
+    # sync as the forward found it (a pre-hook on the model), not as the learner's forward set its flag
+    at = (w - 1) * accum
+    synced = [k for k in range(accum - 1) if at + k < len(sync_at_forward) and sync_at_forward[at + k][0]]
+    during = f"{early} all-reduces during the first {accum - 1} micro-batches"
+    waste = f"reducing during accumulation wastes {accum - 1} of every {accum} communications"
+    if early and synced:  # DDP decides at the forward: a forward with sync on makes its backward reduce
+        k = synced[0]
+        if sync_at_forward[at + k][1]:  # inside the learner's no_sync() block, yet sync was on
+            return (f"{during}: the forward of micro-batch {k} ran inside no_sync() with sync still on - {waste}: "
+                    f"no_sync() must turn sync off for its block (and on again after it)")
+        return (f"{during}: the forward of micro-batch {k} ran with sync on (outside no_sync()), so its backward "
+                f"reduces, as DDP's would - in train_window run each accumulating micro-batch's forward AND "
+                f"backward inside `with model.no_sync():`")
+    if early:
+        return f"{during} - {waste}: inside no_sync() the hook must do nothing"
+    last = segments[-1]
+    launches, readies, waits, steps = ([i for i, e in enumerate(last) if e[0] == kind]
+                                       for kind in ("launch", "ready", "wait", "step"))
+    blocking = [i for i in waits if last[i][1] in BLOCKING]
+    if len(launches) != n_buckets:
+        hint = (" - the last backward of a window must run outside no_sync(), with sync on again"
+                if not launches and w == 1 else
+                " - does the hook start again from bucket 0 in every window (is all of its state reset after each "
+                "window)?" if w > 1 else "")
+        return f"{len(launches)} all-reduces on the last micro-batch, expected one per bucket ({n_buckets}){hint}"
+    if blocking and readies and blocking[0] < readies[-1]:
+        return ("waited for an all-reduce while gradients were still arriving - waiting inside the hook stalls "
+                "backward; keep the Work and wait in finish_gradient_sync()")
+    if launches[0] > readies[-1]:
+        return late_window(last, w, sync_at_forward)
+    launched = [last[i][1] for i in launches]
+    if launched != sizes:
+        return (f"the all-reduces had {launched} elements, but the buckets in index order have {sizes}: "
+                f"all-reduce each bucket as one buffer, bucket 0 first")
+    for k, i in enumerate(launches):
+        arrived = {e[1] for e in last[:i] if e[0] == "ready"}
+        early = [index for index in buckets[k] if index not in arrived]
+        if early and any(e[0] == "ready" for e in last[i:]):  # launched during backward, too soon
+            return (f"bucket {k} was all-reduced before the gradient(s) of its parameter(s) {early} had arrived - "
+                    f"a bucket is complete only once every gradient it holds is ready: count each gradient in the "
+                    f"bucket that holds it")
+    if len(waits) != n_buckets:
+        return (f"{len(waits)} of the window's {n_buckets} all-reduces were seen to finish (by a wait, a future's "
+                f"wait or value, or a callback) - "
+                + ("never waited: wait for every pending all-reduce before the step" if not waits else
+                   "forget the all-reduces already waited on after each window (empty the pending list)"))
+    if not steps:
+        return "optimizer.step() was never called at the end of the window"
+    if steps[0] < waits[-1]:
+        return ("the optimizer stepped before every all-reduce had finished - call finish_gradient_sync() before "
+                "optimizer.step()")
+    return None
+
+
+def late_window(last: list, w: int, sync_at_forward: list) -> str:
+    """Why every all-reduce of window `w` started after its last gradient was ready."""
+    if not last[0][1]:  # the last forward ran with sync off: only finish_gradient_sync launched
+        k = w * lab.ACCUM - 1  # that forward, in sync_at_forward
+        outside = k < len(sync_at_forward) and not sync_at_forward[k][1]
+        return ("the last micro-batch's forward ran with sync off, so its backward launched nothing - "
+                + ("it ran outside no_sync(), which left sync off after its block: no_sync() must leave the model "
+                   "with sync on again when its block ends (try/finally)" if outside else
+                   "the last forward and backward of a window must run outside no_sync(), with sync on again"))
+    if w > 1:
+        return ("every all-reduce started after backward ended, though window 1's overlapped - is what the hook "
+                "counts (gradients arrived per bucket) reset after each window?")
+    return ("every all-reduce started after the last gradient was ready - nothing overlaps backward: launch a "
+            "bucket from the hook as soon as all of its gradients have arrived (and its turn has come) - is each "
+            "gradient counted in the bucket that holds it?")
+
+
+def contents_problem(events: list, buckets: list, local: list, world_size: int) -> str | None:
     """What each all-reduce of window 1 carried: bucket k's gradients accumulated over the window on
     this rank (`local`), in any order, or those divided by the world size (DDP divides first)."""
     launched = [e[3] for e in events[:[e[0] for e in events].index("window end")] if e[0] == "launch"]
@@ -243,15 +222,13 @@ def check_contents(checks: Checks, events: list, buckets: list, local: list, wor
         want = torch.cat([local[i].reshape(-1) for i in bucket]).sort().values
         got = sent.reshape(-1).sort().values.to(want.device)
         if not any(torch.allclose(got, w, rtol=1e-5, atol=1e-7) for w in (want, want / world_size)):
-            checks.fail(f"rank {rank}, window 1: the all-reduce of bucket {k} did not carry this rank's gradients of "
-                        f"parameters {bucket} (summed over the window's micro-batches) - fill the buffer from their "
-                        f".grad tensors at launch, zeros for a missing one")
-            return False
-    return True
+            return (f"window 1: the all-reduce of bucket {k} did not carry this rank's gradients of parameters "
+                    f"{bucket} (summed over the window's micro-batches) - fill the buffer from their .grad tensors "
+                    f"at launch, zeros for a missing one")
+    return None
 
 
-def check_gradients(checks: Checks, names: list[str], mine: list, reference: list, local: list,
-                    world_size: int, rank: int) -> bool:
+def gradients_problem(names: list[str], mine: list, reference: list, local: list, world_size: int) -> str | None:
     """The first window's gradients, parameter by parameter, against DDP's."""
     # Tolerance: the same sums in another order and division before/after the sum differ by float32
     # rounding (relative 1e-6); the mistakes (x2, /2, a rank's own gradient) are off by 30% or more.
@@ -259,49 +236,43 @@ def check_gradients(checks: Checks, names: list[str], mine: list, reference: lis
         return torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
     if len(mine) != len(reference):
-        return checks.expect(False, f"rank {rank}: no gradients were seen before the first optimizer step")
-
+        return "no gradients were seen before the first optimizer step"
     for name, g, ref, own in zip(names, mine, reference, local):
         if g is None:
-            checks.fail(f"rank {rank}: {name}.grad is None before the step - was backward run?")
-            return False
+            return f"{name}.grad is None before the step - was backward run?"
         if not torch.isfinite(g).all():
-            checks.fail(f"rank {rank}: {name}.grad holds NaN or inf before the first step")
-            return False
+            return f"{name}.grad holds NaN or inf before the first step"
         if close(g, ref):
             continue
         if close(g * world_size, ref):
-            checks.fail(f"rank {rank}: {name}.grad is {world_size}x too small - divided by world_size twice "
-                        f"(before and after the all-reduce?)")
-        elif close(g, ref * world_size):
-            checks.fail(f"rank {rank}: {name}.grad is {world_size}x too large - the sum was never divided by the "
-                        f"world size")
-        elif close(g, own):
-            checks.fail(f"rank {rank}: {name}.grad is still this rank's own gradient - the averaged buffer was "
-                        f"never copied back into .grad (or this parameter is never reduced)")
-        else:
-            checks.fail(f"rank {rank}: {name}.grad differs from DDP's by {max_diff(g, ref):.2e} before the first "
-                        f"step (tolerance rtol 1e-4) - check the flatten/copy-back offsets, and that no "
-                        f"bucket buffer is changed (divided) before its work.wait() returns")
-        return False
-    return checks.expect(True, "")
+            return (f"{name}.grad is {world_size}x too small - divided by world_size twice (before and after the "
+                    f"all-reduce?)")
+        if close(g, ref * world_size):
+            return f"{name}.grad is {world_size}x too large - the sum was never divided by the world size"
+        if close(g, own):
+            return (f"{name}.grad is still this rank's own gradient - the averaged buffer was never copied back "
+                    f"into .grad (or this parameter is never reduced)")
+        return (f"{name}.grad differs from DDP's by {max_diff(g, ref):.2e} before the first step (tolerance "
+                    f"rtol 1e-4) - check the flatten/copy-back offsets, and that no bucket buffer is changed "
+                    f"(divided) before its work.wait() returns")
+    return None
 
 
-def check_weights(checks: Checks, model: nn.Module, reference: torch.Tensor, rank: int) -> None:
+def weights_problem(model: nn.Module, reference: torch.Tensor) -> str | None:
     mine = flat_params(model)
     copies = all_gather_tensor(mine.to(next(model.parameters()).device))
     if any(max_diff(mine, copy.cpu()) > 0 for copy in copies):
-        checks.fail(f"after {lab.WINDOWS} steps the weights differ between ranks - some gradient is not averaged "
-                    f"on every rank")
-        return
+        return f"after {lab.WINDOWS} steps the weights differ between ranks - some gradient is not averaged on every " \
+               "rank"
     # Tolerance: DDP divides before its all-reduce, we divide after, and the sums run in another
     # order: float32 rounding of about 1e-7 per step (7e-9 measured here after 4 steps), so 1e-5 is
-    # generous; a missing
-    # zero_grad or a stale bucket moves the weights by more than 1e-3.
+    # generous; a missing zero_grad or a stale bucket moves the weights by more than 1e-3.
     gap = max_diff(mine, reference)
-    checks.expect(gap <= 1e-5, f"after {lab.WINDOWS} steps the weights differ from DDP's by {gap:.2e} (tolerance "
-                               f"1e-5), although the first window's gradients matched - are the gradients zeroed "
-                               f"after each step, and does each window start with no all-reduce left over from the last?")
+    if gap > 1e-5:
+        return (f"after {lab.WINDOWS} steps the weights differ from DDP's by {gap:.2e} (tolerance 1e-5), although "
+                f"the first window's gradients matched - are the gradients zeroed after each step, and does each "
+                f"window start with no all-reduce left over from the last?")
+    return None
 
 
 class Probe(nn.Module):
@@ -364,18 +335,26 @@ def late_launches(events: list, buckets: list[list[int]]) -> str:
     return ""
 
 
+def ddp(module: nn.Module, me: Rank, **options) -> DDP:
+    """torch's DDP around `module`, moved to this rank's device."""
+    return DDP(module.to(me.device), device_ids=[me.device.index] if me.device.type == "cuda" else None, **options)
+
+
+def probe_input(me: Rank) -> torch.Tensor:
+    return torch.randn(6, 5, generator=torch.Generator().manual_seed(me.rank)).to(me.device)
+
+
 def probe_step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).square().mean().backward()
     if isinstance(model, lab.HandDDP):
         model.finish_gradient_sync()
 
 
-def check_out_of_order(checks: Checks, me: Rank, x: torch.Tensor) -> bool:
+def check_out_of_order(checks: Checks, me: Rank) -> bool:
     """HandDDP on OutOfOrder against DDP: when each bucket goes out during backward, and the
     averaged gradients."""
-    x = x[:, :3]
-    reference = DDP(OutOfOrder(seed=2000 + me.rank).to(me.device),
-                    device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    x = probe_input(me)[:, :3]
+    reference = ddp(OutOfOrder(seed=2000 + me.rank), me)
     probe_step(reference, x)
     model = OutOfOrder(seed=2000 + me.rank).to(me.device)
     events: list = []
@@ -389,13 +368,13 @@ def check_out_of_order(checks: Checks, me: Rank, x: torch.Tensor) -> bool:
     buckets = lab.make_buckets(list(model.parameters()), PROBE_CAP)
     late = late_launches(events, buckets)
     if late:
-        checks.fail(f"rank {me.rank}: on a model whose layers are registered in another order than used, {late}")
-        return False
+        return checks.expect(False, f"rank {me.rank}: on a model whose layers are registered in another order than "
+                                    f"used, {late}")
     for (name, mine), theirs in zip(model.named_parameters(), reference.module.parameters()):
         if mine.grad is None or not torch.allclose(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6):
-            checks.fail(f"rank {me.rank}: on a model whose layers are registered in another order than used, "
-                        f"{name}.grad differs from DDP's - is every bucket all-reduced once and copied back?")
-            return False
+            return checks.expect(False, f"rank {me.rank}: on a model whose layers are registered in another order than "
+                                        f"used, {name}.grad differs from DDP's - is every bucket all-reduced once and "
+                                        "copied back?")
     return checks.expect(True, "")
 
 
@@ -403,9 +382,8 @@ def check_probe(checks: Checks, me: Rank) -> bool:
     """HandDDP on the Probe against DDP(find_unused_parameters=True): which all-reduces go out and
     in what order, the averaged gradients (a parameter nobody used: zeros for us, None for DDP),
     and where no_sync() is decided."""
-    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(me.rank)).to(me.device)
-    reference = DDP(Probe(seed=1000 + me.rank).to(me.device), find_unused_parameters=True,
-                    device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    x = probe_input(me)
+    reference = ddp(Probe(seed=1000 + me.rank), me, find_unused_parameters=True)
     probe_step(reference, x)
     model = Probe(seed=1000 + me.rank).to(me.device)
     events: list = []
@@ -416,34 +394,32 @@ def check_probe(checks: Checks, me: Rank) -> bool:
     except AttributeError as error:  # the same on every rank: the same parameter is unused everywhere
         if "'NoneType'" not in str(error):
             raise
-        checks.fail(f"rank {me.rank}: on a model with a layer forward never uses, {error}: that layer's .grad is "
-                    f"None - it counts as zeros in its bucket, and gets the averaged slice as a new .grad")
-        return False
+        return checks.expect(False, f"rank {me.rank}: on a model with a layer forward never uses, {error}: that "
+                                    "layer's .grad is None - it counts as zeros in its bucket, and gets the averaged "
+                                    "slice as a new .grad")
     launched = [e[1] for e in events if e[0] == "launch"]
     trainable = [p for p in model.parameters() if p.requires_grad]
     sizes = [sum(trainable[i].numel() for i in bucket) for bucket in lab.make_buckets(trainable, PROBE_CAP)]
     if len(launched) < len(sizes):
         missing = [b for b, size in enumerate(sizes) if size not in launched]
-        checks.fail(f"rank {me.rank}: on a model with a layer forward never uses, bucket(s) {missing} of "
-                    f"{len(sizes)} were never all-reduced: a parameter that gets no gradient never makes its "
-                    f"bucket complete (nor, in order, the ones after it) - finish_gradient_sync() must launch the "
-                    f"buckets still waiting, counting a missing gradient as zeros")
-        return False
+        return checks.expect(False, f"rank {me.rank}: on a model with a layer forward never uses, bucket(s) {missing} "
+                                    f"of {len(sizes)} were never all-reduced: a parameter that gets no gradient never "
+                                    "makes its bucket complete (nor, in order, the ones after it) - "
+                                    "finish_gradient_sync() must launch the buckets still waiting, counting a missing "
+                                    "gradient as zeros")
     if launched != sizes:
-        checks.fail(f"rank {me.rank}: buckets were all-reduced in the order of their sizes {launched}, but the "
-                    f"buckets in index order have sizes {sizes}: launch bucket i only after buckets 0..i-1, even "
-                    f"when a later one completes first - every rank must issue its all-reduces in the same order "
-                    f"(NCCL hangs or mixes buckets up otherwise)")
-        return False
+        return checks.expect(False, f"rank {me.rank}: buckets were all-reduced in the order of their sizes {launched}, "
+                                    f"but the buckets in index order have sizes {sizes}: launch bucket i only after "
+                                    "buckets 0..i-1, even when a later one completes first - every rank must issue its "
+                                    "all-reduces in the same order (NCCL hangs or mixes buckets up otherwise)")
     for (name, mine), theirs in zip(model.named_parameters(), reference.module.parameters()):
         if not mine.requires_grad:
             continue
         want = theirs.grad if theirs.grad is not None else torch.zeros_like(theirs)
         if mine.grad is None or not torch.allclose(mine.grad, want, rtol=1e-4, atol=1e-6):
-            checks.fail(f"rank {me.rank}: on a model with a frozen bias, an unused layer and a BatchNorm, "
-                        f"{name}.grad differs from DDP's - is every bucket's average copied back, also into a "
-                        f"parameter whose .grad was None?")
-            return False
+            return checks.expect(False, f"rank {me.rank}: on a model with a frozen bias, an unused layer and a "
+                                        f"BatchNorm, {name}.grad differs from DDP's - is every bucket's average copied "
+                                        "back, also into a parameter whose .grad was None?")
     # no_sync is decided at the forward: a forward inside it makes the backward local, as in DDP
     events.clear()
     with recording_all_reduce(events):
@@ -478,7 +454,7 @@ def reference_run(me: Rank, windows: list) -> tuple[list, list, torch.Tensor]:
     """torch's DDP on the same micro-batches, with its own no_sync, in a loop of the check's own:
     its first-window gradients, this rank's own (un-averaged) first-window gradients, and its
     weights after training."""
-    model = DDP(lab.make_model().to(me.device), device_ids=[me.device.index] if me.device.type == "cuda" else None)
+    model = ddp(lab.make_model(), me)
     optimizer = torch.optim.SGD(model.parameters(), lr=lab.LR)
     loss_fn = nn.CrossEntropyLoss()
     grads = []
@@ -538,10 +514,8 @@ def main(me: Rank, checks: Checks) -> None:
     try:
         with recording_all_reduce(events, buffers, raced):
             lab.train(hand, windows, me.device, events=events, after_first=grab)
-    except Exception:
-        check_async(checks, events, me.rank)  # a blocking all_reduce returns no Work to wait on
-        raise
-    check_async(checks, events, me.rank)
+    finally:  # also when it raised: a blocking all_reduce returns no Work to wait on
+        check_async(checks, events, me.rank)
     if raced:  # whatever the timing: its effect on the sums depends on who got there first
         checks.fail(f"rank {me.rank}: the buffer of a bucket of {raced[0]} elements was changed (divided?) after its "
                     f"all-reduce was launched and before its work.wait() returns: what the ranks sum is then "
@@ -551,10 +525,14 @@ def main(me: Rank, checks: Checks) -> None:
     kept = len({id(b()) for b in buffers if b() is not None})
     # The gradients are compared only when the order of events is right: a step taken before the
     # wait, say, would also show up as wrong gradients, and the first finding is the one to fix.
-    if (check_events(checks, events, buckets, sizes, me.rank, sync_at_forward)
-            and check_contents(checks, events, buckets, own_grads, me.world_size, me.rank)
-            and check_gradients(checks, names, grads, ref_grads, own_grads, me.world_size, me.rank)):
-        check_weights(checks, model, ref_weights, me.rank)
+    wrong = (events_problem(events, buckets, sizes, sync_at_forward)
+             or contents_problem(events, buckets, own_grads, me.world_size)
+             or gradients_problem(names, grads, ref_grads, own_grads, me.world_size))
+    if wrong:
+        checks.fail(f"rank {me.rank}: {wrong}")
+    else:
+        wrong = weights_problem(model, ref_weights)
+        checks.expect(wrong is None, wrong or "")
         checks.expect(kept <= len(buckets), f"rank {me.rank}: after {lab.WINDOWS} windows, {kept} buffers of "
                                             f"launched all-reduces are still held, where one per bucket "
                                             f"({len(buckets)}) is all a window needs - memory grows with every "
@@ -562,7 +540,7 @@ def main(me: Rank, checks: Checks) -> None:
                                             f"(empty the pending list)")
     if checks.passed:  # right on the lab's model: now on ones unlike it
         if check_probe(checks, me):
-            check_out_of_order(checks, me, torch.randn(6, 5, generator=torch.Generator().manual_seed(me.rank)).to(me.device))
+            check_out_of_order(checks, me)
     if checks.passed:
         check_on_gpu(checks, me, windows[0])
     launches = sum(e[0] == "launch" for e in events)

@@ -6,6 +6,7 @@ lab's X (this module never imports the lab).
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from datetime import timedelta
@@ -17,7 +18,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import on_rank_gpu
+from ringside.effects import never_waited, on_rank_gpu
 from ringside.lab import known_cause, ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
@@ -252,12 +253,9 @@ def check_groups_for_real(checks: Checks) -> bool:
             raise
         except Exception as error:
             return checks.expect(False, f"{call} raised {type(error).__name__}: {error}")
-        wrong = returned_wrong(call, rank, world, per_host, got, returned)
-        verdicts = [None] * world
-        dist.all_gather_object(verdicts, wrong)
-        if any(verdicts):
-            return checks.expect(False, next(v for v in verdicts if v))
-    return checks.expect(True, "")
+        if not checks.agree(returned_wrong(call, rank, world, per_host, got, returned)):
+            return False
+    return True
 
 
 # --- The all-reduce, for real, with every collective noted -----------------------------------------
@@ -315,10 +313,7 @@ def unfinished(log) -> str:
 
 def example(rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """Rank r's input: (r + 1) * 1000 + (i % 97): every partial sum tells whose values it holds."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    return ((rank + 1) * 1000 + torch.arange(numel) % 97).to(dtype).reshape(shape)
+    return ((rank + 1) * 1000 + torch.arange(math.prod(shape)) % 97).to(dtype).reshape(shape)
 
 
 def layouts(world: int) -> list[tuple[int, int]]:
@@ -345,13 +340,9 @@ def diagnose_values(result, returned, mine, rank, hosts_n, per_host, shape, dtyp
         return (f"{where}: the returned tensor holds the sum but `tensor` itself does not - the caller keeps "
                 f"`tensor`: copy the sum into it (in place), without the padding")
     names = [c.op for c in log.calls]
-    if unfinished(log):
-        return f"{where} is wrong and {unfinished(log)}"
+    if late := unfinished(log):
+        return f"{where} is wrong and {late}"
     if swapped(log):
-        return (f"{where} is wrong and your collectives ran as {names} with the groups swapped: the reduce-scatter "
-                f"and the all-gather belong inside the host (host_group), the all-reduce across hosts (peer_group)")
-    if any(c.op in SCATTERS + GATHERS and c["level"] == "peers" for c in log.calls) and \
-            any(c.op == "all_reduce" and c["level"] == "host" for c in log.calls):
         return (f"{where} is wrong and your collectives ran as {names} with the groups swapped: the reduce-scatter "
                 f"and the all-gather belong inside the host (host_group), the all-reduce across hosts (peer_group)")
     host_sum = sum(example(r, shape, dtype).double() for r in range(host * per_host, (host + 1) * per_host))
@@ -436,9 +427,29 @@ def diagnose_traffic(log, hosts_n, per_host, numel, where) -> str:
                     f"the end")
         return (f"{where}: the sum is right, but each rank sent {inside:.0f} elements inside its host where a "
                 f"reduce-scatter and an all-gather of the padded buffer send {want_inside:.0f}")
-    if unfinished(log):
-        return f"{where}: the sum is right here, but {unfinished(log)}"
+    if late := unfinished(log):
+        return f"{where}: the sum is right here, but {late}"
     return ""
+
+
+def raised_diagnosis(error: Exception, log, where: str, numel: int, per_host: int) -> str:
+    """Why hierarchical_all_reduce raised: groups swapped, ReduceOp.AVG, a size that does not divide, or
+    PyTorch's own words (with what they mean here)."""
+    raised = f"{where} raised {type(error).__name__}"
+    if swapped(log) or any(c.op in SCATTERS and c["level"] == "peers" for c in log.calls):
+        log.calls.clear()  # nothing of it is waited for afterwards
+        return (f"{raised} after a reduce-scatter over peer_group: the groups are swapped - the reduce-scatter and "
+                f"the all-gather belong inside the host (host_group), the all-reduce across hosts (peer_group)")
+    if any(c.reduce_op == dist.ReduceOp.AVG for c in log.calls):
+        return (f"{raised} with ReduceOp.AVG: an average is the sum divided by the number of hosts (and gloo cannot "
+                f"average integers) - a sum must not average (ReduceOp.SUM)")
+    words = ("size", "shape", "numel", "match", "divisible", "expand")
+    uneven = per_host > 1 and numel % per_host and any(word in str(error).lower() for word in words)
+    first = re.sub(r"^(\[rank\d+\]:)?\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
+    cause = known_cause(error)
+    return f"{raised}: {first[:160]}" + (
+        f" - {numel} elements do not divide by {per_host} ranks per host: pad to a multiple (zeros), and drop "
+        f"the padding at the end" if uneven else f" - {cause}" if cause else "")
 
 
 def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
@@ -466,26 +477,9 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
                     except Noted as noted:
                         why = f"{where}: {noted}"
                     except Exception as error:
-                        if swapped(log) or any(c.op in SCATTERS and c["level"] == "peers" for c in log.calls):
-                            why = (f"{where} raised {type(error).__name__} after a reduce-scatter over peer_group: "
-                                   f"the groups are swapped - the reduce-scatter and the all-gather belong inside "
-                                   f"the host (host_group), the all-reduce across hosts (peer_group)")
-                            log.calls.clear()
-                        if any(c.reduce_op == dist.ReduceOp.AVG for c in log.calls):
-                            why = (f"{where} raised {type(error).__name__} with ReduceOp.AVG: an average is the sum "
-                                   f"divided by the number of hosts (and gloo cannot average integers) - a sum must "
-                                   f"not average (ReduceOp.SUM)")
-                        numel = tensor.numel()
-                        text = str(error).lower()
-                        uneven = per_host > 1 and numel % per_host and any(
-                            word in text for word in ("size", "shape", "numel", "match", "divisible", "expand"))
-                        first = re.sub(r"^(\[rank\d+\]:)?\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
-                        cause = known_cause(error)
-                        why = why or f"{where} raised {type(error).__name__}: {first[:160]}" + (
-                            f" - {numel} elements do not divide by {per_host} ranks per host: pad to a multiple "
-                            f"(zeros), and drop the padding at the end" if uneven else f" - {cause}" if cause else "")
-                for call in log.calls:  # what the function left in flight: finished here, the record unchanged
-                    if not call.completed and call.get("work") is not None:
+                        why = raised_diagnosis(error, log, where, tensor.numel(), per_host)
+                for call in never_waited(log.calls):  # finished here, the record unchanged
+                    if call.get("work") is not None:
                         call.work.wait()
                 if not why:
                     returned_itself = returned is tensor
@@ -500,14 +494,9 @@ def check_all_reduce(checks: Checks, group, device: torch.device) -> bool:
                         why = f"{where}: the sum is in `tensor`, but the function returned something else - return `tensor`"
                     else:
                         why = diagnose_traffic(log, hosts_n, per_host, tensor.numel(), where)
-            verdicts = [None] * world
-            dist.all_gather_object(verdicts, why, group=group)  # one diagnosis for all ranks
-            failed = [(r, v) for r, v in enumerate(verdicts) if v]
-            if failed:
-                checks.fail(failed[0][1])  # the same words on every rank: one line in the report
+            if not checks.agree(why or None, group):  # the first rank's words on every rank: one line
                 return False
             tried += 1
-    checks.expect(True, "")
     shown = len(layouts(world))
     traffic = (" and sends only its shard across hosts" if any(h > 1 and l > 1 for h, l in layouts(world))
                else "")  # with one rank per host, or one host, there is no shard to send

@@ -3,52 +3,24 @@
 You need not read it to do the lab. The lab file hands over its functions: `lab.X` below is the
 lab's X (this module never imports the lab).
 
-The verdict comes from what the code does, never from how it is written:
-- outputs: noise_terms on micro-batch gradients the check draws itself (float32 and float64, 1 to 3
-  micro-batches per rank, micro-batches of 4, 5 and 8 samples, the whole job and two subgroups) against a
-  direct float64 computation of the unbiased estimates; a group holding one micro-batch must be refused
-  with ValueError; NoiseScale over a run of estimates (a negative |G|^2 among them) against the ratio of
-  two exponential averages; scaled_lr and ranks_to_use over grids of their arguments; the lab's training
-  against one process that simulates every rank;
-- state: the micro-batch gradients handed in left as they were;
-- communication (ringside.calls): the gradient's bytes all-reduced once (plus a few numbers), on the group
-  given, every request completed.
-The diagnosis runs only after a FAIL: it recomputes the known mistakes (the gradient divided twice or not
-at all, the biased |G|^2, one rank's norms only, norms not squared, micro-batches left out of B_big, the
-job's size for the group's, the sign of tr(Sigma), averaged ratios, a warmup a step early, a scaling applied
-twice, ...) on the same numbers and names one only when it predicts what was seen.
+A known mistake (the *_MISTAKES tables) is named only when its recomputation predicts what was seen.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import product
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from ringside import Checks, Rank, print0, run_lab
-from ringside.calls import Recorder, lab_namespaces
-from ringside.effects import Inputs, never_waited, unwaited_diagnosis
+from ringside.calls import lab_namespaces
+from ringside.effects import Contract, unwaited_diagnosis, watch
 from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
-
-
-def everyone(ok: bool) -> bool:
-    """True when `ok` holds on every rank: all ranks then go on to the next check together."""
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def settle(checks: Checks, wrong: str | None) -> bool:
-    """One verdict for every rank: FAIL when `wrong` is a message on any rank."""
-    if everyone(wrong is None):
-        return checks.expect(True, "")
-    if wrong:
-        checks.fail(wrong)
-    return False
 
 
 # --- noise_terms, against a direct float64 computation ----------------------------------------------
@@ -136,19 +108,14 @@ def traffic_mistake(call: str, calls, grad: torch.Tensor, members: int) -> str |
     return unwaited_diagnosis(call, calls)
 
 
+TERMS = Contract("noise_terms")  # changes none of its arguments
+
+
 def check_terms_case(me: Rank, what: str, grads, position: int, micro_batch: int, dtype, group) -> str | None:
     mine = [g.clone() for g in grads[position]]
-    inputs = Inputs(micro_grads=mine)
-    with Recorder(namespaces=lab_namespaces(lab)) as recorder:
-        got = lab.noise_terms(mine, micro_batch, group)
-    for call in never_waited(recorder.calls):
-        if call.work is not None:
-            call.work.wait()
-    call = f"noise_terms({what})"
-    wrong = traffic_mistake(call, recorder.calls, mine[0], len(grads))
-    if wrong is None and inputs.changed():
-        wrong = (f"{call} changed the micro-batch gradients handed in: they are the caller's - sum them into "
-                 f"a tensor of your own")
+    seen = watch(TERMS, lab.noise_terms, mine, micro_batch, group, namespaces=lab_namespaces(lab))
+    got, call = seen.result, f"noise_terms({what})"
+    wrong = traffic_mistake(call, seen.calls, mine[0], len(grads)) or seen.problem
     if wrong is not None:
         return wrong
     if not (isinstance(got, (tuple, list)) and len(got) == 3):
@@ -171,11 +138,6 @@ def check_terms_case(me: Rank, what: str, grads, position: int, micro_batch: int
     return seen + " - |G|^2 ~ (B_big |G_big|^2 - B_small |G_small|^2)/(B_big - B_small), B_small = micro_batch"
 
 
-def halves(n: int) -> tuple[list[int], list[int]]:
-    first = list(range((n + 1) // 2))
-    return first, list(range(len(first), n))
-
-
 def check_noise_terms(checks: Checks, me: Rank) -> bool:
     n = me.world_size
     cases = [  # (seed, micro-batches per rank, micro_batch, dim, dtype): never the lab's own (2 x 8)
@@ -185,16 +147,16 @@ def check_noise_terms(checks: Checks, me: Rank) -> bool:
     for seed, micros, micro_batch, dim, dtype in cases:
         grads = micro_gradients(seed, n, micros, dim, dtype)
         what = f"{micros} micro-batch(es) of {micro_batch} on each of {ranks_count(n)}, {dtype}"
-        if not settle(checks, check_terms_case(me, what, grads, me.rank, micro_batch, dtype, None)):
+        if not checks.settle(check_terms_case(me, what, grads, me.rank, micro_batch, dtype, None)):
             return False
     # Two subgroups side by side (ranks 0..k-1 and the rest): each must estimate from its own members only.
-    parts = halves(n)
+    parts = list(range((n + 1) // 2)), list(range((n + 1) // 2, n))
     groups = [dist.new_group(part) if part and n > 1 else None for part in parts]
     part = 0 if me.rank in parts[0] else 1
     members = parts[part]
     grads = micro_gradients(3 + part, len(members), 2, 9, torch.float64)
     what = f"2 micro-batches of 4 on a subgroup of ranks {members} of {n}, float64"
-    if not settle(checks, check_terms_case(me, what, grads, members.index(me.rank), 4, torch.float64, groups[part])):
+    if not checks.settle(check_terms_case(me, what, grads, members.index(me.rank), 4, torch.float64, groups[part])):
         return False
     # One micro-batch in a group of one: B_big = B_small, nothing to estimate from.
     singles = [dist.new_group([r]) for r in range(n)] if n > 1 else [None]
@@ -211,7 +173,7 @@ def check_noise_terms(checks: Checks, me: Rank) -> bool:
     except Exception as error:
         wrong = (f"noise_terms of one micro-batch in a group of one rank raised {type(error).__name__} "
                  f"({str(error)[:60]}): check for it first and raise ValueError")
-    if not settle(checks, wrong):
+    if not checks.settle(wrong):
         return False
     print0("noise_terms: the mean gradient, |G|^2 and tr(Sigma) equal a direct float64 computation (float32 and "
            "float64, 1-3 micro-batches per rank" + (", two subgroups" if n > 1 else ": at 1 rank they stand in for ranks")
@@ -277,14 +239,11 @@ def check_noise_scale(checks: Checks, me: Rank) -> bool:
             break
         if not all(same(s, w) for s, w in zip(seen, want)):
             step = next(i for i, (s, w) in enumerate(zip(seen, want)) if not same(s, w))
+            fits = [w for k, w in SCALE_MISTAKES.items() if all(map(same, seen, scale_replay(beta, k)))]
             wrong = (f"NoiseScale({beta}) after update{STEPS[:step + 1]}: value() is {seen[step]:.6g}, the ratio of "
-                     f"the two averages is {want[step]:.6g}")
-            for kind, words in SCALE_MISTAKES.items():
-                if all(same(s, w) for s, w in zip(seen, scale_replay(beta, kind))):
-                    wrong += " - " + words
-                    break
+                     f"the two averages is {want[step]:.6g}" + "".join(f" - {w}" for w in fits[:1]))
             break
-    if not settle(checks, wrong):
+    if not checks.settle(wrong):
         return False
     print0(f"NoiseScale: the ratio of two exponential averages (beta 0.8 and {lab.BETA}), inf while the |G|^2 "
            f"average is not positive, over {len(STEPS)} steps")
@@ -317,28 +276,23 @@ LR_MISTAKES = {
 
 def check_schedule(checks: Checks, me: Rank) -> bool:
     wrong = None
-    for warmup in (5, 1, 0, 3):
-        for rule in ("linear", "sqrt", "none"):
-            for batch, base_batch, base_lr in ((64, 16, 0.1), (48, 16, 0.05), (8, 32, 0.2)):
-                for step in (0, 1, 2, warmup - 1, warmup, warmup + 4):
-                    if step < 0 or wrong:
-                        continue
-                    args = dict(step=step, batch=batch, base_lr=base_lr, base_batch=base_batch, warmup=warmup,
-                                rule=rule)
-                    call = "scaled_lr(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
-                    want = schedule(**args)
-                    try:
-                        got = float(lab.scaled_lr(**args))
-                    except ZeroDivisionError:
-                        wrong = f"{call} divided by zero: with warmup 0 the peak holds from step 0"
-                        continue
-                    if not math.isclose(got, want, rel_tol=1e-12):
-                        wrong = f"{call} returned {got:.6g}, expected {want:.6g}"
-                        for kind, words in LR_MISTAKES.items():
-                            if math.isclose(got, schedule(**args, kind=kind), rel_tol=1e-12):
-                                wrong += " - " + words
-                                break
-    if not settle(checks, wrong):
+    grid = product((5, 1, 0, 3), ("linear", "sqrt", "none"), ((64, 16, 0.1), (48, 16, 0.05), (8, 32, 0.2)))
+    for warmup, rule, (batch, base_batch, base_lr) in grid:
+        for step in (0, 1, 2, warmup - 1, warmup, warmup + 4):
+            if step < 0 or wrong:
+                continue
+            args = dict(step=step, batch=batch, base_lr=base_lr, base_batch=base_batch, warmup=warmup, rule=rule)
+            call = "scaled_lr(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+            want = schedule(**args)
+            try:
+                got = float(lab.scaled_lr(**args))
+            except ZeroDivisionError:
+                wrong = f"{call} divided by zero: with warmup 0 the peak holds from step 0"
+                continue
+            if not math.isclose(got, want, rel_tol=1e-12):
+                fits = [w for k, w in LR_MISTAKES.items() if math.isclose(got, schedule(**args, kind=k), rel_tol=1e-12)]
+                wrong = f"{call} returned {got:.6g}, expected {want:.6g}" + "".join(f" - {w}" for w in fits[:1])
+    if not checks.settle(wrong):
         return False
     print0("scaled_lr: none, linear and sqrt, warmups of 0, 1, 3 and 5 steps, batches above and below the base one")
     return True
@@ -346,22 +300,20 @@ def check_schedule(checks: Checks, me: Rank) -> bool:
 
 def check_ranks_to_use(checks: Checks, me: Rank) -> bool:
     wrong = None
-    for b_noise in (math.inf, 0.5, 39.9, 40.0, 100.0, 1000.0):
-        for per_rank in (8, 5):
-            for available in (1, 4, 12):
-                want = available if math.isinf(b_noise) else max(1, min(available, int(b_noise // per_rank)))
-                got = lab.ranks_to_use(b_noise, per_rank, available)
-                if got != want and wrong is None:
-                    wrong = (f"ranks_to_use(b_noise={b_noise}, per_rank_batch={per_rank}, available={available}) "
-                             f"returned {got}, expected {want}")
-                    if got == math.ceil(b_noise / per_rank) and not math.isinf(b_noise):
-                        wrong += (" - rounded up: n ranks make a global batch of n x per_rank_batch, which must "
-                                  "stay <= B_noise (round down)")
-                    elif got == 0:
-                        wrong += " - at least one rank trains, however small B_noise is"
-                    elif isinstance(got, int) and got > available:
-                        wrong += " - more ranks than are available"
-    if not settle(checks, wrong):
+    for b_noise, per_rank, available in product((math.inf, 0.5, 39.9, 40.0, 100.0, 1000.0), (8, 5), (1, 4, 12)):
+        want = available if math.isinf(b_noise) else max(1, min(available, int(b_noise // per_rank)))
+        got = lab.ranks_to_use(b_noise, per_rank, available)
+        if got != want and wrong is None:
+            wrong = (f"ranks_to_use(b_noise={b_noise}, per_rank_batch={per_rank}, available={available}) "
+                     f"returned {got}, expected {want}")
+            if got == math.ceil(b_noise / per_rank) and not math.isinf(b_noise):
+                wrong += (" - rounded up: n ranks make a global batch of n x per_rank_batch, which must "
+                          "stay <= B_noise (round down)")
+            elif got == 0:
+                wrong += " - at least one rank trains, however small B_noise is"
+            elif isinstance(got, int) and got > available:
+                wrong += " - more ranks than are available"
+    if not checks.settle(wrong):
         return False
     print0("ranks_to_use: the most ranks whose global batch stays <= B_noise, at least 1, at most those available")
     return True
@@ -402,7 +354,7 @@ def check_train(checks: Checks, me: Rank) -> tuple[bool, float]:
                  f"simulating {ranks_count(n)} {[round(w, 1) for w in want]}")
     elif not all(torch.allclose(p, q, rtol=1e-4, atol=1e-6) for p, q in zip(model.parameters(), params)):
         wrong = f"after {steps} steps of train the parameters differ from one process simulating {ranks_count(n)}"
-    if not settle(checks, wrong):
+    if not checks.settle(wrong):
         return False, math.nan
     batch = lab.MICRO * lab.MICROS
     print0(f"train: {steps} steps on the digits equal one process simulating {ranks_count(n)}; B_noise after them "

@@ -40,7 +40,7 @@ MUTATIONS = [
              "the gradient's bytes once is enough", 2),
     Mutation("the sum built in the caller's first gradient", "    mean = torch.stack(micro_grads).sum(0)\n",
              "    mean = micro_grads[0]\n    for g in micro_grads[1:]:\n        mean += g\n",
-             "changed the micro-batch gradients handed in", 2),
+             "changed its argument `micro_grads` in place", 2),
     Mutation("per-step ratios averaged",
              "        self.trace = self.beta * self.trace + (1 - self.beta) * float(trace)\n",
              "        self.ratio = self.beta * getattr(self, \"ratio\", 0.0) + (1 - self.beta) * float(trace) / float(g2)\n"
