@@ -123,7 +123,8 @@ def client() -> None:
         os._exit(1)
     status = int(line[1])
     if os.WIFSIGNALED(status):  # die of the same signal, as torchrun expects of its worker
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        if os.WTERMSIG(status) != signal.SIGKILL:  # (whose action cannot be set: it is the default)
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
 
@@ -157,9 +158,13 @@ def serve(path: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
 
-    def shut(*_):
-        for pid in children:
+    def shut(*_):  # each child killed, and its client told so: it dies of SIGKILL too, as if killed itself
+        for pid, conn in children.items():
             _kill(pid)
+            try:
+                conn.sendall(f"status {os.waitpid(pid, 0)[1]}\n".encode())
+            except OSError:
+                pass
         os._exit(0)
 
     signal.signal(signal.SIGTERM, shut)
