@@ -86,7 +86,7 @@ UI_WORKERS ?= 2
 ui-test: setup $(VENV)/.ui-ready ## run every chapter in JupyterLab in Chromium (NB=... picks notebooks)
 	@test -x /usr/bin/chromium || { echo "make ui-test needs Debian's Chromium: sudo apt-get install -y chromium"; exit 2; }
 	@start=$$(date +%s); \
-	NB="$(NB)" $(PY) -m pytest -q -rs -p no:randomly -p tools.pytest_ui_report -n $(UI_WORKERS) tests/ui/ui_test_workshop.py; status=$$?; \
+	NB="$(NB)" RINGSIDE_WARM=0 $(PY) -m pytest -q -rs -p no:randomly -p tools.pytest_ui_report -n $(UI_WORKERS) tests/ui/ui_test_workshop.py; status=$$?; \
 	echo "make ui-test: total $$(( $$(date +%s) - start )) s"; exit $$status
 
 $(VENV)/.ui-ready: requirements-ui.txt $(VENV)/.ready
@@ -148,7 +148,7 @@ test-gpu: ## (GPU machine) every solution on nccl, every notebook, the capstone'
 	if [ $$status != 0 ] && ! command -v nvidia-smi >/dev/null; then echo "make test-gpu: no CUDA GPU on this machine (no torch in $(GPU_PY), no nvidia-smi): nothing to check."; exit 0; fi; \
 	if [ $$status != 0 ]; then echo "make test-gpu: $(GPU_PY) cannot import torch (GPU_PY=... names another Python)"; exit 2; fi; \
 	start=$$(date +%s); \
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/gpu \
+	RINGSIDE_WARM=0 PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/gpu \
 	    tests/test_template.py -k gpu; status=$$?; \
 	echo "make test-gpu: $$($(GPU_PY) -c 'import torch; print(torch.cuda.get_device_name(0), "x", torch.cuda.device_count(), "- torch", torch.__version__)'), total $$(( $$(date +%s) - start )) s"; \
 	exit $$status
@@ -200,7 +200,7 @@ HUB_LEARNERS ?= 4
 hub-test: setup $(VENV)/.ui-ready $(VENV)/.hub-ready ## (root) the room in a real browser: HUB_LEARNERS learners at once (SPAWNER=slurm: as Slurm jobs)
 	@test -x /usr/bin/chromium || { echo "make hub-test needs Debian's Chromium: sudo apt-get install -y chromium"; exit 2; }
 	@start=$$(date +%s); \
-	HUB_LEARNERS=$(HUB_LEARNERS) HUB_SPAWNER=$(SPAWNER) $(PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/hub/hub_test_room.py; status=$$?; \
+	HUB_LEARNERS=$(HUB_LEARNERS) HUB_SPAWNER=$(SPAWNER) RINGSIDE_WARM=0 $(PY) -m pytest -q -rs -p no:randomly -p no:cacheprovider tests/hub/hub_test_room.py; status=$$?; \
 	echo "make hub-test: total $$(( $$(date +%s) - start )) s"; exit $$status
 
 bench-gpu: ## (GPU machine) chapter 09's table: step time and memory in fp32, TF32, fp16, bf16

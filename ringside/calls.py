@@ -86,8 +86,9 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
-from .standin import for_gloo
+from .standin import StandInTensor, for_gloo
 
 P2P = ("send", "recv", "isend", "irecv")
 
@@ -407,11 +408,15 @@ class Watched(torch.futures.Future):
     def __init__(self, real, ops: list[Call]):
         super().__init__()
         self.ops = ops
+        # on a stand-in GPU gloo ran on each tensor's CPU data: the value is the tensors handed in
+        handed = [t for op in ops for t in [*op.get("tensors", []), *(r() for r in op.get("outputs", []))]]
+        self.handed = {id(t.held): t for t in handed if isinstance(t, StandInTensor)}
         real.add_done_callback(self._relay)
 
     def _relay(self, real) -> None:
         try:
-            self.set_result(real.value())
+            value = real.value()
+            self.set_result(tree_map(lambda v: self.handed.get(id(v), v), value) if self.handed else value)
         except Exception as error:  # the work failed: the learner's wait raises it
             self.set_exception(error)
 

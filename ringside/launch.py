@@ -197,6 +197,12 @@ def _fork_and_collect(fn, n, args, kwargs, backend, timeout, collective_timeout,
     return reports
 
 
+def python() -> str:
+    """The interpreter for the processes started here: PYTHON_EXEC where it is set (torchrun starts its
+    workers with it too; the test suite points it at a Python with torch imported already), else ours."""
+    return os.environ.get("PYTHON_EXEC") or sys.executable
+
+
 # --- The rank starter: a fresh process that forks the ranks ---------------------------------------
 
 
@@ -210,7 +216,7 @@ class _Starter:
         reply_r, reply_w = os.pipe()
         env = dict(os.environ, RINGSIDE_STARTER_FDS=f"{request_r},{reply_w}", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from ringside.launch import _serve; _serve()"],
+            [python(), "-c", "from ringside.launch import _serve; _serve()"],
             pass_fds=(request_r, reply_w), env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: killing it kills its ranks too
         )
@@ -415,7 +421,7 @@ def torchrun_command(script: str | Path, nproc: int = 4, *args: str, all_ranks: 
     `rdzv_endpoint` ("host:port"), or a static one at `master` ("host:port") with --node-rank.
     `max_restarts`: how often torchrun restarts every rank after one failed; `options`: further
     torchrun options, as they are written on its command line."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    cmd = [python(), "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", *options]
     if nnodes == 1 and rdzv_endpoint is None and master is None:
         cmd.append("--standalone")

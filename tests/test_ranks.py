@@ -74,7 +74,9 @@ def test_ranks_never_fork_from_a_process_that_ran_autograd():
     parents = run_ranks(parent_of_rank, 2, show_output=False)
     assert len(set(parents)) == 1 and parents[0] != os.getpid()
     starter = Path(f"/proc/{parents[0]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    assert "from ringside.launch import _serve" in starter  # started by exec, not forked from us
+    # started by exec, not forked from us (or, in the test suite, forked from the warm Python, which
+    # never runs autograd either: tools/warm_python.py)
+    assert "from ringside.launch import _serve" in starter or "from tools.warm_python import serve" in starter
     assert run_ranks(parent_of_rank, 3, show_output=False) == [parents[0]] * 3  # one starter, reused
 
 
@@ -158,10 +160,25 @@ def test_torchrun_script_in_a_room_forks_and_shows_what_torchrun_shows(tmp_path,
     from ringside.launch import torchrun_script
 
     script = tmp_path / "say.py"
-    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+    # rank 1 fails once rank 0 has printed: torchrun then stops the others (SIGTERM), which must not
+    # cut rank 0's line short whichever rank starts first
+    script.write_text("import os, sys, time\nfrom pathlib import Path\n"
+                      "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n"
+                      "printed = Path(sys.argv[2]) / f\"printed-{os.environ['RANK']}\"\n"
+                      "printed.touch()\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    deadline = time.monotonic() + 60\n"
+                      "    while not (printed.parent / 'printed-0').exists() and time.monotonic() < deadline:\n"
+                      "        time.sleep(0.01)\n"
                       "sys.exit(int(sys.argv[1]) if os.environ['RANK'] == '1' else 0)\n")
-    real = [torchrun_script(script, 3, code, check=False, show=False, timeout=120) for code in ("0", "3")]
+    runs = lambda: [torchrun_script(script, 3, code, folder, check=False, show=False, timeout=120)  # noqa: E731
+                    for code, folder in (("0", tmp_path / "a"), ("3", tmp_path / "b"))]
+    for folder in "ab":
+        (tmp_path / folder).mkdir()
+    real = runs()
     monkeypatch.setenv("RINGSIDE_LAUNCH", "fork")
-    forked = [torchrun_script(script, 3, code, check=False, show=False, timeout=120) for code in ("0", "3")]
+    for marker in tmp_path.glob("*/printed-*"):
+        marker.unlink()
+    forked = runs()
     assert [r.stdout for r in forked] == [r.stdout for r in real] == ["rank 0 of 3\n"] * 2
     assert [r.returncode for r in forked] == [0, 1] and real[0].returncode == 0 and real[1].returncode != 0

@@ -196,13 +196,16 @@ def _collective_on_the_wrong_device(rank, world_size):
         wrong = torch.ones(2)  # on the CPU: NCCL refuses it
         dist.all_reduce(wrong)
         refused = [str(error) for error in gpu.refused]
-        return right.tolist(), refused, wrong.tolist(), [c.device.type for c in recorder.calls]
+        # a future's value is the tensor handed in, on the GPU (review 5, lab 12: Future.then)
+        halved = dist.all_reduce(right, async_op=True).get_future().then(lambda f: f.value()[0] / 2).wait()
+        return right.tolist(), refused, wrong.tolist(), [c.device.type for c in recorder.calls[:2]], halved.device
 
 
 def test_collectives_run_on_the_gpu_data_and_refuse_a_cpu_tensor():
     results = run_ranks(_collective_on_the_wrong_device, 2, timeout=60)
-    for right, refused, wrong, devices in results:
-        assert right == [1.0, 1.0]
+    for rank, (right, refused, wrong, devices, halved) in enumerate(results):
+        assert str(halved) == f"cuda:{rank}"
+        assert right == [2.0, 2.0]  # (after the third all_reduce)
         assert len(refused) == 1 and "dist.all_reduce got `tensor` on cpu, not on this rank's GPU" in refused[0]
         assert wrong == [2.0, 2.0]  # it ran (no rank is left waiting), and is noted as refused
         assert devices == ["cuda", "cpu"]

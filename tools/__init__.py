@@ -6,4 +6,5 @@
 - cluster:       `make cluster`, `make cluster-bench`: hosts in network namespaces (root only).
 - cluster_bench: the all-reduce measurement that runs on every cluster host.
 - gpu_check:     `make test-gpu`: every solution on nccl and the notebooks, on a GPU machine.
+- warm_python:   the test suite's `python`: forked from one that imported torch once (conftest.py).
 """
