@@ -192,7 +192,7 @@ def check_all_gather(checks: Checks, me: Rank) -> bool:
     """all_gather_flat for 1 and 3 elements, to float32, bf16 and fp16: every rank's shard in rank order,
     sent in the dtype asked for, the shard left as it was."""
     for n in (1, 3):
-        shard = torch.arange(n, dtype=torch.float32) + 10.0 * me.rank + 0.1  # 0.1: bf16 rounds it
+        shard = (torch.arange(n, dtype=torch.float32) + 10.0 * me.rank + 0.1).to(me.device)  # 0.1: bf16 rounds it
         kept = shard.clone()
         want = torch.cat([torch.arange(n, dtype=torch.float32) + 10.0 * r + 0.1 for r in range(me.world_size)])
         for dtype in (torch.float32, BF16, torch.float16):
@@ -209,7 +209,7 @@ def check_all_gather(checks: Checks, me: Rank) -> bool:
             elif full.dtype != dtype or full.numel() != n * me.world_size:
                 wrong = (f"all_gather_flat returned {full.numel()} elements of {full.dtype}, expected "
                          f"{n * me.world_size} of {dtype} (every rank's shard)")
-            elif not torch.equal(full, want.to(dtype)):
+            elif not torch.equal(full.cpu(), want.to(dtype)):
                 wrong = (f"all_gather_flat returned {full.float().tolist()}, expected every rank's shard in rank "
                          f"order: {want.to(dtype).float().tolist()}")
             elif not torch.equal(shard, kept):
@@ -226,9 +226,10 @@ def check_average(checks: Checks, me: Rank) -> bool:
     for per_rank, dtype in ((13, BF16), (1, torch.float32), (13, torch.float32)):
         n = per_rank * me.world_size
         everyones = torch.randn(me.world_size, n).to(dtype)  # rank r's gradient is row r
-        mine = everyones[me.rank].clone()
+        mine = everyones[me.rank].to(me.device, copy=True)  # on the rank's GPU under nccl
         with collectives() as calls:
             shard = lab.average_shard(mine)
+        shard, mine = shard.cpu() if isinstance(shard, torch.Tensor) else shard, mine.cpu()
         want = everyones.float().mean(dim=0)[me.rank * per_rank:(me.rank + 1) * per_rank]
         sent = [c.dtype for c in reduce_scatters(calls)]
         wrong = None
