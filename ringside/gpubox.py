@@ -16,7 +16,15 @@ machine's rank from its start to its end:
   on an nccl group handed a tensor not on cuda:LOCAL_RANK raises NCCL's refusal, and so does an object
   collective while torch.cuda.current_device() is not this rank's GPU (torch moves its pickled bytes to
   the current device on nccl: see `standin.refusal`). Inside a check's own GPU pass of the learner's
-  code (rank_gpu) the learner's misplaced tensor is noted as before, so that the check names it.
+  code (rank_gpu) the learner's misplaced tensor is noted as before, so that the check names it;
+- StandInDDP averages the gradients as DDP does (a communication hook gets one bucket of them all).
+
+What the stand-in cannot run a check says in one line (effects.beyond_stand_in) and goes on: lab 08's
+draws from a torch.Generator(device="cuda"), lab 16's wrapper (its saved-tensor hooks run below Python).
+Lab 11 cannot be rehearsed: nn.SyncBatchNorm, which it takes on nccl, runs CUDA kernels only
+(batch_norm_stats), and autocast on "cuda" does not reach the CPU data of stand-in tensors.
+
+    RINGSIDE_GPU_BOX=1 python -m ringside 2 solutions/17_diloco.py     # as `make lab` on a 2-GPU machine
 """
 
 from __future__ import annotations

@@ -730,8 +730,9 @@ class StandInGPU:
 
 
 def _called_by_learner() -> bool:
-    """Whether the call being made comes from the learner's code rather than from a check's: a check's
-    own messages go on a gloo group of its own, CPU tensors by design, on a GPU machine too."""
+    """Whether the call being made comes from the learner's code rather than from a check's. A check's own
+    messages are not judged in its GPU pass: they use a gloo group of their own (CPU tensors) or the
+    group's device (ringside.lab.everyone); the GPU-box rehearsal (ringside.gpubox) judges those too."""
     frame = sys._getframe(2)
     while frame is not None:
         folder = Path(frame.f_code.co_filename).parent.name
