@@ -132,7 +132,7 @@ def test_lab_ends_through_run_lab(solution):
 GPU_BOX = {"RINGSIDE_GPU_BOX": "1"}
 
 
-@pytest.mark.parametrize("stem", ["03_collectives", "07_syncbn"])
+@pytest.mark.parametrize("stem", ["07_syncbn", "18_batch_scaling"])  # their checks once crashed on nccl
 def test_solution_passes_as_on_a_gpu_machine(stem):
     result = launch(ROOT / "solutions" / f"{stem}.py", 2, env=GPU_BOX)
     assert result.returncode == 0 and pass_line(2) in result.stdout, (result.stdout + result.stderr)[-4000:]
