@@ -28,8 +28,8 @@ crashes there. Inside `StandInGPU(devices=N, current=k)` this machine behaves as
 `DeviceMismatch` is the error of a tensor in the wrong place; `origin(tensor)` says where the
 learner's code made a CPU tensor (file:line and its text), so a diagnosis can name it, and
 `effects.device_diagnosis(function, error)` turns the error into one line. DDP is stood in by
-`StandInDDP` (DDP's own refusals of devices, the inputs moved to device_ids[0], no averaging: its C++
-reducer cannot take stand-in tensors); a custom `autograd.Function` records its graph on the CPU data
+`StandInDDP` (DDP's own refusals of devices, the inputs moved to device_ids[0], no averaging but in
+ringside.gpubox's rehearsal: its C++ reducer cannot take stand-in tensors); a custom `autograd.Function` records its graph on the CPU data
 while its forward and backward see stand-in tensors. What is not stood in: CUDA streams and events,
 `torch.Generator(device="cuda")`, pinned memory, C++ code handed a stand-in tensor directly. Such code
 raises, and `StandInGPU.unjudgeable(error)` says that nothing can be concluded.
@@ -412,7 +412,8 @@ class StandInDDP(DistributedDataParallel):
     """DistributedDataParallel on a stand-in GPU, where DDP's C++ reducer cannot run: it refuses what
     DDP refuses about devices (a model on the CPU with device_ids, parameters on two kinds of device,
     more than one device id) with DDP's own words, and moves the forward's inputs to device_ids[0] as
-    DDP does. It does not average gradients: the check's CPU run compares what DDP computes."""
+    DDP does. It does not average gradients (the check's CPU run compares what DDP computes), except
+    in the GPU-box rehearsal (ringside.gpubox), where no CPU run is left to do it."""
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, *args, **kwargs):
         nn.Module.__init__(self)
