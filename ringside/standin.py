@@ -753,8 +753,9 @@ def refusal(op: str, name: str, value: torch.Tensor, device: torch.device) -> De
 
 def _object_refusal(op: str, gpu: "StandInGPU", device: torch.device) -> DeviceMismatch | None:
     """On nccl an object collective pickles into a tensor on torch.cuda.current_device()
-    (torch/distributed/distributed_c10d.py: _get_object_coll_device answers "cuda" for an nccl group,
-    and _object_to_tensor's `.to(device)` takes the current one): refused unless that is this rank's GPU."""
+    (torch 2.14.1's torch/distributed/distributed_c10d.py:4193 asks _get_object_coll_device, which answers
+    "cuda" for an nccl group (:1466), and _object_to_tensor's `.to(device)` (:4086) takes the current
+    one): refused unless that is this rank's GPU."""
     if gpu.current == device.index:
         return None
     return DeviceMismatch(f"dist.{op} pickles into a tensor on torch.cuda.current_device(), cuda:{gpu.current}, not "
