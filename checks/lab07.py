@@ -611,7 +611,7 @@ def main(me: Rank, checks: Checks) -> None:
             float64 = run_float64(float64, me.rank, me.world_size, me.device, watch)
         except Exception as error:  # the same on every rank: same shapes
             float64 = error
-    nan_here = torch.tensor([float(isinstance(hard, dict) and bool(not_finite(hard)))])
+    nan_here = torch.tensor([float(isinstance(hard, dict) and bool(not_finite(hard)))], device=me.device)
     dist.all_reduce(nan_here, op=dist.ReduceOp.MIN)  # 1 when every rank holds NaN
     ref = reference(me.world_size)
     print0(f"per-rank batch sizes {batch_sizes(me.world_size)}, {CHANNELS} channels of {SIZE}x{SIZE}")

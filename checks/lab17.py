@@ -23,14 +23,13 @@ import io
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from ringside import Checks, Rank, print0, run_lab
 from ringside.calls import Recorder, lab_namespaces
 from ringside.effects import Contract, Inputs, never_waited, on_rank_gpu, unwaited_diagnosis, watch
-from ringside.lab import everyone, ranks_count
+from ringside.lab import ranks_count
 
 lab = SimpleNamespace()  # the lab's functions and classes, handed over by run()
 
@@ -71,9 +70,10 @@ def check_average(checks: Checks, me: Rank) -> bool:
     for dtype in (torch.float32, torch.float64):
         anchor = odd_tensors(1, dtype)
         everyones = [[a - m for a, m in zip(anchor, odd_tensors(10 + r, dtype, 0.1))] for r in range(me.world_size)]
-        params = [nn.Parameter(t.clone()) for t in everyones[me.rank]]
-        seen = watch(AVERAGE, lab.average_pseudo_gradient, anchor, params, namespaces=lab_namespaces(lab))
-        got = seen.result
+        params = list(Odd(everyones[me.rank]).to(me.device).parameters())  # on the rank's GPU under nccl
+        seen = watch(AVERAGE, lab.average_pseudo_gradient, [a.to(me.device) for a in anchor], params,
+                     namespaces=lab_namespaces(lab))
+        got = [g.cpu() if isinstance(g, torch.Tensor) else g for g in seen.result]
         want = [torch.stack([a - ps[i] for ps in everyones]).mean(0) for i, a in enumerate(anchor)]
         wrong = traffic_mistake("average_pseudo_gradient", seen.calls, params) or seen.problem
         if wrong is None:
@@ -178,7 +178,7 @@ def check_outer(checks: Checks, me: Rank, dtype, lr: float, momentum: float, rou
     n = me.world_size
     anchor0 = odd_tensors(2, dtype)
     moves = [[odd_tensors(100 * k + r, dtype, 0.1) for r in range(n)] for k in range(rounds)]
-    model = Odd(anchor0)
+    model = Odd(anchor0).to(me.device)  # on the rank's GPU under nccl
     params = list(model.parameters())
     inputs = Inputs(params=params)
     outer = lab.DiLoCo(model, lr=lr, momentum=momentum)
@@ -190,9 +190,9 @@ def check_outer(checks: Checks, me: Rank, dtype, lr: float, momentum: float, rou
     for k in range(rounds):  # every round runs, so that a diagnosis can follow the whole trajectory
         with torch.no_grad():
             for p, mv in zip(params, moves[k][me.rank]):
-                p.sub_(mv)  # what this rank's inner steps did
+                p.sub_(mv.to(me.device))  # what this rank's inner steps did
         calls = watch(SYNC, outer.sync, namespaces=lab_namespaces(lab), snapshot=True).calls
-        seen.append([p.detach().clone() for p in params])
+        seen.append([p.detach().cpu().clone() for p in params])
         sent = [s.reshape(-1) for c in calls for s in (c.snapshot or [])]
         zeros = zeros or (k == 0 and bool(sent) and not torch.cat(sent).abs().any())
         if wrong is None:
@@ -258,6 +258,11 @@ def simulate(steps: int, h: int, n: int, zero: bool = True) -> tuple[list[list[t
     return [[p.detach().clone() for p in m.parameters()] for m in models], losses
 
 
+def on(device: torch.device, batches):
+    """The batches (x, y) on `device`."""
+    return ((x.to(device), y.to(device)) for x, y in batches)
+
+
 def marked(source, marks: list[int], calls: list):
     """The batches, noting before each one how many calls had been recorded: the calls made during step s
     are calls[marks[s - 1]:marks[s]]."""
@@ -270,13 +275,14 @@ def marked(source, marks: list[int], calls: list):
 def check_train(checks: Checks, me: Rank) -> bool:
     h, n = lab.H, me.world_size
     steps = 3 * h + 2  # three whole rounds and a short one: no sync after it
-    model = lab.make_model()
+    model = lab.make_model().to(me.device)  # the model and its batches on the rank's GPU under nccl
     inner = torch.optim.AdamW(model.parameters(), lr=lab.INNER_LR)
     outer = lab.DiLoCo(model)
     params = list(model.parameters())
     marks = []
     with Recorder(namespaces=lab_namespaces(lab)) as recorder:
-        losses = lab.train(model, inner, outer, marked(lab.batches(me.rank, n, steps), marks, recorder.calls), h)
+        losses = lab.train(model, inner, outer, marked(on(me.device, lab.batches(me.rank, n, steps)), marks,
+                                                      recorder.calls), h)
     per_step = [sum(c.bytes for c in recorder.calls[marks[s]:marks[s + 1]]) for s in range(steps)]
     want_bytes = sum(p.numel() * p.element_size() for p in params)
     syncs = [s + 1 for s, b in enumerate(per_step) if b]
@@ -304,7 +310,7 @@ def check_train(checks: Checks, me: Rank) -> bool:
                 wrong += " - the gradients accumulate over the inner steps: zero the gradients before each backward"
             elif len(losses) != steps:
                 wrong += f" - {len(losses)} losses for {steps} inner steps: return one loss per inner step"
-        elif not close(params, everyone_params[me.rank]):
+        elif not close([p.cpu() for p in params], everyone_params[me.rank]):
             wrong = f"after train({steps} steps, h={h}) the parameters differ from one process simulating every rank"
     if not checks.settle(wrong):
         return False
@@ -318,17 +324,17 @@ def check_resume(checks: Checks, me: Rank) -> bool:
     steps, stop = 4 * h, 2 * h
 
     def fresh():
-        model = lab.make_model()
+        model = lab.make_model().to(me.device)
         return model, torch.optim.AdamW(model.parameters(), lr=lab.INNER_LR)
 
     model, inner = fresh()
     outer = lab.DiLoCo(model)
-    lab.train(model, inner, outer, lab.batches(me.rank, n, steps), h)
+    lab.train(model, inner, outer, on(me.device, lab.batches(me.rank, n, steps)), h)
     straight = [p.detach().clone() for p in model.parameters()]
 
     model, inner = fresh()
     outer = lab.DiLoCo(model)
-    data = lab.batches(me.rank, n, steps)
+    data = on(me.device, lab.batches(me.rank, n, steps))
     lab.train(model, inner, outer, (next(data) for _ in range(stop)), h)
     wrong, buffer = None, io.BytesIO()
     saved = {"anchor": [a.clone() for a in getattr(outer, "anchor", [])],

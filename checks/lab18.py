@@ -85,7 +85,7 @@ def matches(got, want, dtype) -> bool:
     # estimates cancel about one digit): 1e-4 relative in float32; 1e-10 in float64.
     tol = 1e-10 if dtype == torch.float64 else 1e-4
     return all(isinstance(a, torch.Tensor) and a.shape == b.shape and
-               torch.allclose(a.double(), b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()))
+               torch.allclose(a.double().cpu(), b, rtol=tol, atol=tol * max(1.0, b.abs().max().item()))
                for a, b in zip(got, want))
 
 
@@ -112,7 +112,7 @@ TERMS = Contract("noise_terms")  # changes none of its arguments
 
 
 def check_terms_case(me: Rank, what: str, grads, position: int, micro_batch: int, dtype, group) -> str | None:
-    mine = [g.clone() for g in grads[position]]
+    mine = [g.to(me.device, copy=True) for g in grads[position]]  # on the rank's GPU under nccl
     seen = watch(TERMS, lab.noise_terms, mine, micro_batch, group, namespaces=lab_namespaces(lab))
     got, call = seen.result, f"noise_terms({what})"
     wrong = traffic_mistake(call, seen.calls, mine[0], len(grads)) or seen.problem
@@ -164,7 +164,7 @@ def check_noise_terms(checks: Checks, me: Rank) -> bool:
     g = micro_gradients(5, 1, 1, 6, torch.float32)[0]
     wrong = None
     try:
-        got = lab.noise_terms([g[0].clone()], 8, single)
+        got = lab.noise_terms([g[0].to(me.device, copy=True)], 8, single)
         wrong = (f"noise_terms of one micro-batch in a group of one rank returned "
                  f"{[round(float(t), 4) if t.numel() == 1 else '...' for t in got]}: with B_big = B_small there is "
                  f"nothing to compare - raise ValueError")
@@ -344,15 +344,16 @@ def simulate(n: int, steps: int) -> tuple[list[torch.Tensor], list[float]]:
 
 def check_train(checks: Checks, me: Rank) -> tuple[bool, float]:
     n, steps = me.world_size, 6
-    model = lab.make_model()
-    seen = lab.train(model, lab.batches(me.rank, n, steps), lab.NoiseScale(lab.BETA), "linear")
+    model = lab.make_model().to(me.device)  # the model and its batches on the rank's GPU under nccl
+    batches = ([(x.to(me.device), y.to(me.device)) for x, y in micros] for micros in lab.batches(me.rank, n, steps))
+    seen = lab.train(model, batches, lab.NoiseScale(lab.BETA), "linear")
     params, want = simulate(n, steps)
     wrong = None
     # Tolerance: float32 gradients summed in another order, through 6 steps and the estimates' cancellation: 1e-3.
     if not all(math.isclose(a, b, rel_tol=1e-3) or (math.isinf(a) and math.isinf(b)) for a, b in zip(seen, want)):
         wrong = (f"train's B_noise after each of {steps} steps {[round(s, 1) for s in seen]} differs from one process "
                  f"simulating {ranks_count(n)} {[round(w, 1) for w in want]}")
-    elif not all(torch.allclose(p, q, rtol=1e-4, atol=1e-6) for p, q in zip(model.parameters(), params)):
+    elif not all(torch.allclose(p.cpu(), q, rtol=1e-4, atol=1e-6) for p, q in zip(model.parameters(), params)):
         wrong = f"after {steps} steps of train the parameters differ from one process simulating {ranks_count(n)}"
     if not checks.settle(wrong):
         return False, math.nan

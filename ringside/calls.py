@@ -492,7 +492,8 @@ class DryRun(Recorder):
             return super()._wrap(kind, original)
 
         def nowhere(tensor, *args, **kwargs):
-            self.ops[-1]["sent"] = tensor.detach().clone() if "send" in kind else None
+            handed = self.ops[-1]["tensor"]  # as handed in (on a stand-in GPU, `tensor` is its CPU data)
+            self.ops[-1]["sent"] = handed.detach().clone() if "send" in kind else None
             into = tensor if "recv" in kind and self.arrives is not None else None
             if kind == "recv" and into is not None:
                 into.fill_(self.arrives)

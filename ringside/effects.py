@@ -40,7 +40,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .standin import _ACTIVE, DeviceMismatch, StandInDeviceError, StandInGPU, origin
+from .standin import _ACTIVE, _BOX, DeviceMismatch, StandInDeviceError, StandInGPU, origin
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -325,6 +325,17 @@ def not_checkable(function: str, error: BaseException) -> str:
     """The line a check prints where `function` cannot run on a stand-in GPU (StandInGPU.unjudgeable)."""
     return (f"device of {function}'s tensors: not checkable here ({type(error).__name__}: "
             f"{str(error).splitlines()[0][:120]})")
+
+
+def beyond_stand_in(name: str, error: BaseException) -> bool:
+    """In the GPU-box rehearsal (ringside.gpubox: the whole rank on a stand-in GPU), whether `error` is
+    the stand-in's limit, not the code's (StandInGPU.unjudgeable): then one line says that `name` cannot
+    run here, and the check goes on without it. Always False on a CPU run and on a real GPU."""
+    if not (_BOX and StandInGPU.unjudgeable(error)):
+        return False
+    from .runtime import print0
+    print0(not_checkable(name, error))
+    return True
 
 
 def _where(error: BaseException) -> str:

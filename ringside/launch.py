@@ -532,6 +532,9 @@ def _script_rank(script: Path, args: list[str], env: dict[str, str], out: str | 
         sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
         os.environ.update(env)
+        if os.environ.get("RINGSIDE_GPU_BOX") == "1":  # tests: this rank as on a GPU machine (ringside.gpubox)
+            from ringside.gpubox import rehearse
+            rehearse()
         sys.argv = [str(script), *args]
         sys.path[0] = str(script.parent)
         runpy.run_path(str(script), run_name="__main__")

@@ -28,8 +28,8 @@ crashes there. Inside `StandInGPU(devices=N, current=k)` this machine behaves as
 `DeviceMismatch` is the error of a tensor in the wrong place; `origin(tensor)` says where the
 learner's code made a CPU tensor (file:line and its text), so a diagnosis can name it, and
 `effects.device_diagnosis(function, error)` turns the error into one line. DDP is stood in by
-`StandInDDP` (DDP's own refusals of devices, the inputs moved to device_ids[0], no averaging: its C++
-reducer cannot take stand-in tensors); a custom `autograd.Function` records its graph on the CPU data
+`StandInDDP` (DDP's own refusals of devices, the inputs moved to device_ids[0], no averaging but in
+ringside.gpubox's rehearsal: its C++ reducer cannot take stand-in tensors); a custom `autograd.Function` records its graph on the CPU data
 while its forward and backward see stand-in tensors. What is not stood in: CUDA streams and events,
 `torch.Generator(device="cuda")`, pinned memory, C++ code handed a stand-in tensor directly. Such code
 raises, and `StandInGPU.unjudgeable(error)` says that nothing can be concluded.
@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.cuda
 import torch.cuda.random
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
@@ -54,7 +55,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 # The torch.cuda functions that reach a GPU's generator (torch.random calls them through torch.cuda)
 RANDOM = ("manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
           "get_rng_state_all", "set_rng_state", "set_rng_state_all")
-DEVICE = ("is_available", "device_count", "current_device", "set_device", "synchronize", "is_current_stream_capturing")
+DEVICE = ("is_available", "device_count", "current_device", "set_device", "synchronize", "is_current_stream_capturing",
+          "is_bf16_supported")
 
 # Ops that draw random numbers: on a stand-in tensor they draw from its GPU's generator
 SEEDED = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
@@ -73,6 +75,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 
 _ACTIVE: list["StandInGPU"] = []  # the stand-ins entered, innermost last
 _ORIGINS = WeakIdKeyDictionary()  # CPU tensor -> where the learner's code made it (while a stand-in is active)
+_BOX: dict = {}  # the GPU-box rehearsal's state while it is on (ringside.gpubox): see for_gloo
 
 
 class StandInDeviceError(RuntimeError):
@@ -138,6 +141,9 @@ class StandInTensor(torch.Tensor):
 def _rebuild(held: torch.Tensor, index: int) -> torch.Tensor:
     """A pickled stand-in tensor, unpickled: on the stand-in again where one is active."""
     return StandInTensor(held, torch.device("cuda", index)) if _ACTIVE else held
+
+
+torch.serialization.add_safe_globals([_rebuild])  # torch.load(weights_only=True) reads GPU tensors back too
 
 
 def held(value):
@@ -406,7 +412,8 @@ class StandInDDP(DistributedDataParallel):
     """DistributedDataParallel on a stand-in GPU, where DDP's C++ reducer cannot run: it refuses what
     DDP refuses about devices (a model on the CPU with device_ids, parameters on two kinds of device,
     more than one device id) with DDP's own words, and moves the forward's inputs to device_ids[0] as
-    DDP does. It does not average gradients: the check's CPU run compares what DDP computes."""
+    DDP does. It does not average gradients (the check's CPU run compares what DDP computes), except
+    in the GPU-box rehearsal (ringside.gpubox), where no CPU run is left to do it."""
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, *args, **kwargs):
         nn.Module.__init__(self)
@@ -428,16 +435,89 @@ class StandInDDP(DistributedDataParallel):
             self.device_ids = [_active().index(d) for d in device_ids]
         self.module = module
         self.device = parameters[0].device if parameters else torch.device("cpu")
+        # In the GPU-box rehearsal (ringside.gpubox) the whole run is on the stand-in: DDP's averaging
+        # is then done here, as DDP does it (states from the group's first rank, each gradient's
+        # all-reduce once accumulated, divided by the group's size; buffers broadcast every forward)
+        # (a communication hook gets one bucket of every gradient, once the last one is ready)
+        self.averages, self.syncing, self.hook, self.ready = bool(_BOX), True, None, []
+        self.group, self.broadcasts = kwargs.get("process_group"), kwargs.get("broadcast_buffers", True)
+        self.trained = [p for p in parameters if p.requires_grad]
+        if self.averages:
+            self.source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            self._broadcast(parameters + list(module.buffers()))
+            for parameter in self.trained:
+                parameter.register_post_accumulate_grad_hook(self._average)
+
+    def register_comm_hook(self, state, hook) -> None:
+        self.hook = (state, hook)
+
+    def _broadcast(self, tensors) -> None:
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.broadcast(tensor, self.source, group=self.group)
+
+    def _average(self, parameter) -> None:
+        """Run by autograd once `parameter`'s gradient is accumulated: outside the stand-in's mode (a hook
+        runs with none of the caller's), so it is entered again for the communication hook's code."""
+        if not self.syncing:
+            return
+        if not any(isinstance(m, _Factories) for m in torch.overrides._get_current_function_mode_stack()):
+            with _Factories():
+                return self._average(parameter)
+        if self.hook is None:
+            dist.all_reduce(parameter.grad, group=self.group)
+            parameter.grad.div_(dist.get_world_size(self.group))
+            return
+        self.ready.append(parameter)
+        if len(self.ready) == len(self.trained):
+            self.ready = []
+            grads = [p.grad for p in self.trained]
+            bucket = _Bucket(torch.cat([g.reshape(-1) for g in grads]), grads, self.trained)
+            averaged = self.hook[1](self.hook[0], bucket).wait()
+            with torch.no_grad():
+                for grad, part in zip(grads, averaged.split([g.numel() for g in grads])):
+                    grad.copy_(part.view_as(grad))
 
     def forward(self, *inputs, **kwargs):
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs))
+        if self.averages and self.broadcasts:
+            self._broadcast(list(self.module.buffers()))
         return self.module(*inputs, **kwargs)
 
     @contextmanager
     def no_sync(self):
-        yield
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+
+class _Bucket:
+    """The one bucket StandInDDP hands a communication hook (what the hooks here read of dist.GradBucket)."""
+
+    def __init__(self, flat: torch.Tensor, grads: list, parameters: list):
+        self.flat, self.grads, self.params = flat, grads, parameters
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self.flat = tensor
+
+    def gradients(self) -> list:
+        return self.grads
+
+    def parameters(self) -> list:
+        return self.params
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
 
 
 class _Stream:
@@ -561,7 +641,8 @@ class StandInGPU:
                 "set_rng_state_all": set_rng_state_all, "is_available": lambda: True,
                 "device_count": lambda: self.count, "current_device": lambda: self.current,
                 "set_device": set_device, "synchronize": lambda device=None: None,
-                "is_current_stream_capturing": lambda: False}  # optimizers ask (torch 2.11)
+                "is_current_stream_capturing": lambda: False,  # optimizers ask (torch 2.11)
+                "is_bf16_supported": lambda including_emulation=True: True}  # a GPU of today's (Ampere on)
 
     def _replace(self, owner, name: str, value) -> None:
         self.saved.append((owner, name, getattr(owner, name) if not isinstance(owner, dict) else owner[name]))
@@ -650,8 +731,9 @@ class StandInGPU:
 
 
 def _called_by_learner() -> bool:
-    """Whether the call being made comes from the learner's code rather than from a check's: a check's
-    own messages go on a gloo group of its own, CPU tensors by design, on a GPU machine too."""
+    """Whether the call being made comes from the learner's code rather than from a check's. A check's own
+    messages are not judged in its GPU pass: they use a gloo group of their own (CPU tensors) or the
+    group's device (ringside.lab.everyone); the GPU-box rehearsal (ringside.gpubox) judges those too."""
     frame = sys._getframe(2)
     while frame is not None:
         folder = Path(frame.f_code.co_filename).parent.name
@@ -661,38 +743,74 @@ def _called_by_learner() -> bool:
     return True
 
 
+def refusal(op: str, name: str, value: torch.Tensor, device: torch.device) -> DeviceMismatch:
+    """What NCCL raises for `value`, handed to dist.`op` as `name` on a rank whose GPU is `device`."""
+    why = ('NCCL refuses it ("No backend type associated with device type cpu": an nccl group has no CPU '
+           'backend)' if value.device.type == "cpu" else "NCCL works on one GPU per rank")
+    return DeviceMismatch(f"dist.{op} got `{name}` on {value.device}, not on this rank's GPU {device}: {why}",
+                          value, f"dist.{op}'s `{name}`")
+
+
+def _object_refusal(op: str, gpu: "StandInGPU", device: torch.device) -> DeviceMismatch | None:
+    """On nccl an object collective pickles into a tensor on torch.cuda.current_device()
+    (torch 2.14.1's torch/distributed/distributed_c10d.py:4193 asks _get_object_coll_device, which answers
+    "cuda" for an nccl group (:1466), and _object_to_tensor's `.to(device)` (:4086) takes the current
+    one): refused unless that is this rank's GPU."""
+    if gpu.current == device.index:
+        return None
+    return DeviceMismatch(f"dist.{op} pickles into a tensor on torch.cuda.current_device(), cuda:{gpu.current}, not "
+                          f"on this rank's GPU {device}: NCCL works on one GPU per rank (call "
+                          f"torch.cuda.set_device(LOCAL_RANK) first)")
+
+
 def for_gloo(op: str, arguments: dict) -> tuple[dict, DeviceMismatch | None]:
     """The arguments of a collective or send/recv (name -> value), as gloo takes them: each stand-in
     tensor's CPU data (gloo writes into it, so the stand-in tensor sees the result). With the refusal
     NCCL would make of a tensor not on this rank's GPU (None if there is none, or no stand-in, or when
     the innermost of the lab's and the check's code calling is a check's), also added to the stand-in's
     `refused`. It is not raised: the call runs on gloo, so that the ranks whose calls it matches are not
-    left waiting (a check reads `refused` once the function returned: effects.device_problem)."""
+    left waiting (a check reads `refused` once the function returned: effects.device_problem).
+    In the GPU-box rehearsal (ringside.gpubox) every call on an nccl group is judged, the check's too,
+    and raised, except the learner's inside a check's own GPU pass (rank_gpu), which is noted as above;
+    a group made with backend="gloo" takes CPU tensors, as it does on a GPU machine."""
     if not _ACTIVE:
         return arguments, None
     gpu, refusals = _ACTIVE[-1], []
-    judged = _called_by_learner()
+    judged, device, raised = _called_by_learner(), gpu.device, False
+    if _BOX:
+        backend = _BOX["backend_of"](arguments.get("group"))
+        device = torch.device("cuda", _BOX["rank_gpu"])
+        raised = not (judged and len(_ACTIVE) > 1)  # only a check's pass of the learner's code notes
+        judged = "nccl" in backend and not ("gloo" in backend and all(
+            leaf.device.type == "cpu" for leaf in tree_leaves(arguments) if isinstance(leaf, torch.Tensor)))
+        if not raised:
+            device = gpu.device
 
     def unwrap(name):
         def one(value):
             if not isinstance(value, torch.Tensor):
                 return value
-            if judged and value.device != gpu.device and not refusals:
-                why = ('NCCL refuses it ("Tensors must be CUDA and dense")' if value.device.type == "cpu" else
-                       "NCCL works on one GPU per rank")
-                refusals.append(DeviceMismatch(f"dist.{op} got `{name}` on {value.device}, not on this rank's GPU "
-                                               f"{gpu.device}: {why}", value, f"dist.{op}'s `{name}`"))
+            if judged and value.device != device and not refusals:
+                refusals.append(refusal(op, name, value, device))
             return value.held if isinstance(value, StandInTensor) else value
         return one
 
     if "object" in op:  # pickled, stand-in tensors too (StandInTensor.__reduce_ex__); lists filled in place
-        return arguments, None
+        refused = _object_refusal(op, gpu, device) if _BOX and judged else None
+        if refused is not None and raised:
+            raise refused
+        gpu.refused += [refused] if refused is not None else []
+        return arguments, refused
     unwrapped = dict(arguments)
     for name, value in arguments.items():
         inside = [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
         if inside:  # a new list of the CPU data where there are tensors: gloo writes into that data
             unwrapped[name] = tree_map(unwrap(name), value)
+    if refusals and raised:
+        raise refusals[0]
     gpu.refused += refusals
     return unwrapped, (refusals[0] if refusals else None)
+
+
 __all__ = ["StandInGPU", "StandInDeviceError", "StandInTensor", "StandInDDP", "DeviceMismatch", "held", "on_stand_in",
            "origin", "for_gloo"]

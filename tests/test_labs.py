@@ -125,6 +125,35 @@ def test_lab_ends_through_run_lab(solution):
     assert "checks.expect(" not in text and "import checks" not in text
 
 
+# A whole `make lab` as on a GPU machine (ringside.gpubox): every rank's default group nccl (gloo
+# underneath), its tensors on stand-in GPUs, and every collective - the check's own too - refused as
+# NCCL refuses a tensor not on the rank's GPU. Two cheap labs here; any lab by hand:
+# RINGSIDE_GPU_BOX=1 python -m ringside 2 solutions/NN_x.py
+GPU_BOX = {"RINGSIDE_GPU_BOX": "1"}
+
+
+@pytest.mark.parametrize("stem", ["07_syncbn", "18_batch_scaling"])  # their checks once crashed on nccl
+def test_solution_passes_as_on_a_gpu_machine(stem):
+    result = launch(ROOT / "solutions" / f"{stem}.py", 2, env=GPU_BOX)
+    assert result.returncode == 0 and pass_line(2) in result.stdout, (result.stdout + result.stderr)[-4000:]
+
+
+def test_gpu_machine_rehearsal_refuses_a_cpu_tensor_in_a_collective(tmp_path):
+    """The planted case: a script (a check, say) that all-reduces a CPU tensor on the default group
+    crashes on a GPU machine, where that group is nccl; gloo here would take it."""
+    script = tmp_path / "cpu_collective.py"
+    script.write_text("import torch, torch.distributed as dist\n"
+                      "from ringside.runtime import init_distributed\n"
+                      "me = init_distributed()\n"
+                      "print(me.backend, me.device, flush=True)\n"
+                      "dist.all_reduce(torch.ones(2, device=me.device))  # on the rank's GPU: fine\n"
+                      "dist.all_reduce(torch.ones(2))\n")
+    result = launch(script, 2, env=GPU_BOX)
+    assert result.returncode == 1 and "nccl cuda:1" in result.stdout
+    assert "dist.all_reduce got `tensor` on cpu, not on this rank's GPU cuda:1: NCCL refuses it" in result.stderr
+    assert "No backend type associated with device type cpu" in result.stderr
+
+
 def test_plain_python_says_how_to_run_and_exits_2():
     lab = ROOT / "labs" / solutions()[0].name
     result = subprocess.run([sys.executable, str(lab)], cwd=ROOT, capture_output=True, text=True, timeout=120)
