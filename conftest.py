@@ -17,8 +17,8 @@ def pytest_configure(config):
 def start_warm_python(config) -> None:
     """Every process this run starts with `import torch` forks from one Python that imported it once
     (tools/warm_python.py): torchrun's agents and workers (PYTHON_EXEC, which torchrun itself reads),
-    each notebook's kernel (a python3 kernel spec first on JUPYTER_PATH) and each rank starter
-    (ringside.launch). Measured: see docs/AUTHORING.md, "What each part may cost". Started once, by
+    and each notebook's kernel (a python3 kernel spec first on JUPYTER_PATH). Not the rank starters:
+    the ranks they fork are forked once already. Measured: see docs/AUTHORING.md, "What each part may cost". Started once, by
     pytest-xdist's controller before its workers (they inherit the variables). RINGSIDE_WARM=0:
     every process starts cold, as a learner's do; make test-gpu does not use it (CUDA and fork)."""
     if os.environ.get("RINGSIDE_WARM") or hasattr(config, "workerinput"):

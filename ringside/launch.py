@@ -198,8 +198,9 @@ def _fork_and_collect(fn, n, args, kwargs, backend, timeout, collective_timeout,
 
 
 def python() -> str:
-    """The interpreter for the processes started here: PYTHON_EXEC where it is set (torchrun starts its
-    workers with it too; the test suite points it at a Python with torch imported already), else ours."""
+    """The interpreter for torchrun's agent: PYTHON_EXEC where it is set (torchrun starts its workers
+    with it too; the test suite points it at a Python with torch imported already), else ours. (Not
+    the rank starter's: forked ranks of FSDP jobs lost a peer, under load, with a starter forked so.)"""
     return os.environ.get("PYTHON_EXEC") or sys.executable
 
 
@@ -216,7 +217,7 @@ class _Starter:
         reply_r, reply_w = os.pipe()
         env = dict(os.environ, RINGSIDE_STARTER_FDS=f"{request_r},{reply_w}", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [python(), "-c", "from ringside.launch import _serve; _serve()"],
+            [sys.executable, "-c", "from ringside.launch import _serve; _serve()"],
             pass_fds=(request_r, reply_w), env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: killing it kills its ranks too
         )

@@ -74,9 +74,7 @@ def test_ranks_never_fork_from_a_process_that_ran_autograd():
     parents = run_ranks(parent_of_rank, 2, show_output=False)
     assert len(set(parents)) == 1 and parents[0] != os.getpid()
     starter = Path(f"/proc/{parents[0]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    # started by exec, not forked from us (or, in the test suite, forked from the warm Python, which
-    # never runs autograd either: tools/warm_python.py)
-    assert "from ringside.launch import _serve" in starter or "from tools.warm_python import serve" in starter
+    assert "from ringside.launch import _serve" in starter  # started by exec, not forked from us
     assert run_ranks(parent_of_rank, 3, show_output=False) == [parents[0]] * 3  # one starter, reused
 
 

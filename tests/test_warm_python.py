@@ -80,8 +80,11 @@ def test_a_signal_to_the_client_reaches_the_child(script, tmp_path, signum):
     """torchrun stops its workers with SIGTERM (SIGKILL after its grace); a terminal sends SIGINT.
     The caller sees the status a killed `python` has, and no child outlives its client."""
     pidfile = tmp_path / "pid"
+    # (started as from a terminal: a shell's background job, pytest's own perhaps, ignores SIGINT, and
+    # a `python` it starts then does too - as the warm one does: the client says which it ignores)
     proc = subprocess.Popen([WARM, script], env=dict(os.environ, PIDFILE=str(pidfile)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 30
     while not pidfile.exists() or not pidfile.read_text():
         assert time.monotonic() < deadline and proc.poll() is None

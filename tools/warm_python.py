@@ -1,12 +1,12 @@
 """A Python that has already imported torch, for the test suite: each `python` it starts is forked.
 
 Every process the suite starts that imports torch pays 2-4 CPU-seconds before its first line runs
-(torch, torch.distributed, torch._dynamo): torchrun's agents and workers, each notebook's kernel and
-its rank starter, each pytest-xdist worker's rank starter. On 2 cores, hundreds of them are minutes.
+(torch, torch.distributed, torch._dynamo): torchrun's agents and workers, each notebook's kernel.
+On 2 cores, hundreds of them are minutes.
 This server imports them once; a `python ...` started through its client is a child forked from it
 that takes over the caller's arguments, environment, working directory and standard streams, and
 runs as `python` would. torchrun starts its workers with `PYTHON_EXEC` (torch/distributed/run.py
-reads it), ringside's rank starter and the tests' torchrun and kernel commands use it too, so
+reads it), the tests' torchrun agents and notebook kernels use it too, so
 nothing the tests exercise changes: the same torchrun agent, the same signals, the same exit codes.
 
     env = start()        # {"PYTHON_EXEC": client, "RINGSIDE_WARM": socket}: put them in os.environ
@@ -85,6 +85,9 @@ def stop() -> None:
 def client() -> None:
     """`python ARGS` (this file's own interpreter), forked from the server when it can be."""
     argv = sys.argv[1:]
+    # the signals our caller left ignored (they stay so through exec): so shall the child's be
+    status = Path("/proc/self/status").read_text()
+    ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
     pending: list[int] = []
     child: list[int] = []
 
@@ -104,7 +107,8 @@ def client() -> None:
         conn.connect(os.environ["RINGSIDE_WARM"])
         fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) != conn.fileno())
         fds = [fd for fd in fds if _is_open(fd)]  # (listdir's own descriptor is closed by now)
-        request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode()
+        request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds,
+                              "ignored": ignored}).encode()
         socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], fds)
         reader = conn.makefile("r")
         answer = reader.readline().split()
@@ -305,7 +309,11 @@ def _become(request: dict, fds: list[int], client_pid: int) -> None:
         os.environ.update(request["env"])
         for key, value in _SET_BY_IMPORTS.items():
             os.environ.setdefault(key, value)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum in STREAM_SIGNALS:  # as `python` sets them up when its caller ignored them or not
+            if request["ignored"] >> (signum - 1) & 1:
+                signal.signal(signum, signal.SIG_IGN)
+            else:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         kind, what, args, unbuffered = _target(request["argv"])
         unbuffered |= bool(os.environ.get("PYTHONUNBUFFERED"))
         for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
