@@ -31,6 +31,7 @@ import json
 import os
 import re
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -50,6 +51,7 @@ AT_IMPORT = re.compile(r"(TORCH(?!ELASTIC_|_ELASTIC_|_NCCL_|_FR_).*|ATEN_.*|PYTH
 STREAM_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 _server: subprocess.Popen | None = None
+_folder: Path | None = None
 _BEFORE_IMPORTS: dict[str, str] = {}  # the server's environment as it started, and what its imports added
 _SET_BY_IMPORTS: dict[str, str] = {}
 
@@ -60,8 +62,8 @@ _SET_BY_IMPORTS: dict[str, str] = {}
 def start() -> dict[str, str]:
     """Start the server (once per process tree that asks) and return the variables that route
     `PYTHON_EXEC` through it. The server exits with its parent."""
-    global _server
-    folder = Path(tempfile.mkdtemp(prefix="ringside-warm-"))
+    global _server, _folder
+    folder = _folder = Path(tempfile.mkdtemp(prefix="ringside-warm-"))
     path, client = folder / "socket", folder / "python"
     client.write_text(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(ROOT)!r})\n"
                       "from tools.warm_python import client\nclient()\n")
@@ -80,6 +82,8 @@ def stop() -> None:
     if _server is not None and _server.poll() is None:
         _server.terminate()
         _server.wait(timeout=30)
+    if _folder is not None:  # its socket and client script
+        shutil.rmtree(_folder, ignore_errors=True)
 
 
 def client() -> None:
